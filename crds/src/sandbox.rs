@@ -1,0 +1,314 @@
+//! `Sandbox`: a live gVisor workspace.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::branchset::{CommitMode, DiffSummary, FileChange, VerdictValue};
+use crate::common::{Condition, EnvVar};
+
+/// A live gVisor (runsc) workspace. A Sandbox either starts fresh from a root filesystem
+/// and command, or is restored from a Snapshot (`restoreFrom`): then it continues the
+/// snapshotted process tree and never silently starts fresh.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[kube(
+    group = "ramify.dev",
+    version = "v1alpha1",
+    kind = "Sandbox",
+    namespaced,
+    status = "SandboxStatus",
+    shortname = "sbx",
+    category = "ramify",
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName"}"#,
+    printcolumn = r#"{"name":"Restored-From","type":"string","jsonPath":".status.restoredFrom.snapshot"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[x_kube(
+    validation = Rule::new("has(self.image) != has(self.rootfs)").message("exactly one of spec.image or spec.rootfs must be set").field_path(".rootfs"),
+    validation = Rule::new("has(self.restoreFrom) || (has(self.command) && size(self.command) > 0)").message("spec.command must not be empty unless spec.restoreFrom is set (a restored sandbox continues its snapshotted processes)").field_path(".command"),
+    validation = Rule::new("has(self.restoreFrom) == has(oldSelf.restoreFrom) && (!has(self.restoreFrom) || self.restoreFrom == oldSelf.restoreFrom)").message("spec.restoreFrom is immutable").field_path(".restoreFrom"),
+    validation = Rule::new("has(self.image) == has(oldSelf.image) && (!has(self.image) || self.image == oldSelf.image) && has(self.rootfs) == has(oldSelf.rootfs) && (!has(self.rootfs) || self.rootfs == oldSelf.rootfs)").message("spec.image and spec.rootfs are immutable").field_path(".rootfs"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxSpec {
+    /// OCI image reference used as the read-only lower root filesystem (cluster mode:
+    /// mounted as an image volume). Exactly one of `image` or `rootfs` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub image: Option<String>,
+    /// A root filesystem already present on the node (standalone mode). Exactly one of
+    /// `image` or `rootfs` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<Rootfs>,
+    /// The command of the sandbox's first process (argv). Required unless `restoreFrom`
+    /// is set.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
+    pub command: Vec<String>,
+    /// Environment of the first process.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
+    pub env: Vec<EnvVar>,
+    /// Working directory of the first process; absolute. Defaults to `/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("spec.workingDir must be an absolute path"))]
+    #[schemars(length(max = 4096))]
+    pub working_dir: Option<String>,
+    /// CPU and memory limits of the sandbox (enforced through its cgroup).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Resources>,
+    /// Network policy. Egress is denied unless allowed here.
+    #[serde(default)]
+    pub network: Network,
+    /// Restore this sandbox from a Snapshot instead of starting it fresh. Immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_from: Option<RestoreFrom>,
+    /// Pin the sandbox to a node. Set by ramify for branches (they run where their
+    /// snapshot is); leave empty to let the operator choose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub node_name: Option<String>,
+    /// Let the sandbox be snapshotted even though its spec references Secrets (secrets
+    /// would then be baked into the snapshot image). Off by default.
+    #[serde(default)]
+    pub allow_snapshot_with_secrets: bool,
+}
+
+/// A root filesystem on the node.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Rootfs {
+    /// Absolute path of a root filesystem directory, or of an OCI image layout
+    /// directory when `ociRef` is set.
+    #[x_kube(validation = Rule::new("self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("spec.rootfs.path must be an absolute path without '..'"))]
+    #[schemars(length(min = 1, max = 4096))]
+    pub path: String,
+    /// Reference (tag) inside the OCI image layout at `path`; when empty, `path` is a
+    /// plain directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub oci_ref: Option<String>,
+}
+
+/// CPU and memory limits.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Resources {
+    /// CPU limit as a Kubernetes quantity, for example `500m` or `2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("spec.resources.cpu must be a positive quantity such as 500m or 2"))]
+    #[schemars(length(max = 64))]
+    pub cpu: Option<String>,
+    /// Memory limit as a Kubernetes quantity, for example `512Mi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('1Mi'))").message("spec.resources.memory must be a quantity larger than 1Mi such as 512Mi"))]
+    #[schemars(length(max = 64))]
+    pub memory: Option<String>,
+}
+
+/// Egress policy of a sandbox.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum Egress {
+    /// No outbound connections at all (the default).
+    #[default]
+    Deny,
+    /// Outbound connections only to the destinations listed in `allow`.
+    Allow,
+}
+
+/// Network settings of a sandbox. Every sandbox gets its own network namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.egress == 'Allow' ? (has(self.allow) && size(self.allow) > 0) : (!has(self.allow) || size(self.allow) == 0)").message("spec.network.allow lists destinations when spec.network.egress is Allow, and must be empty when it is Deny").field_path(".allow"),
+)]
+pub struct Network {
+    /// `Deny` (default) or `Allow` (only to the destinations in `allow`).
+    #[serde(default)]
+    pub egress: Egress,
+    /// Allowed egress destinations.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub allow: Vec<EgressRule>,
+}
+
+/// One allowed egress destination.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EgressRule {
+    /// Destination network in CIDR notation, for example `10.1.0.0/16` or `192.0.2.7/32`.
+    #[x_kube(validation = Rule::new("isCIDR(self)").message("spec.network.allow[].cidr must be a CIDR such as 10.0.0.0/8"))]
+    #[schemars(length(min = 1, max = 64))]
+    pub cidr: String,
+    /// TCP ports allowed; all ports when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub ports: Vec<Port>,
+}
+
+/// A TCP or UDP port number.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(transparent)]
+pub struct Port(#[schemars(range(min = 1, max = 65535))] pub i32);
+
+/// Where a restored sandbox comes from.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoreFrom {
+    /// Name of a Snapshot in the same namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub snapshot: String,
+    /// Branch identity written to `/run/ramify/identity` (set by ramify for branches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<BranchRef>,
+}
+
+/// The branch a restored sandbox stands for.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BranchRef {
+    /// BranchSet name.
+    pub branch_set: String,
+    /// Branch name within the BranchSet.
+    pub name: String,
+    /// Branch index within the BranchSet, from 0.
+    pub index: i32,
+}
+
+/// Lifecycle phase of a Sandbox.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum SandboxPhase {
+    /// Accepted, not yet bound to a node.
+    #[default]
+    Pending,
+    /// Bound to a node; the node agent is starting or restoring it.
+    Starting,
+    /// Its processes run.
+    Running,
+    /// Frozen (for example while it is snapshotted).
+    Paused,
+    /// Its first process exited with code 0.
+    Succeeded,
+    /// It could not start or restore, or its first process failed.
+    Failed,
+    /// Stopped by ramify (an aborted or invalidated branch).
+    Aborted,
+}
+
+/// Observed state of a Sandbox, written by the operator and the node agent.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxStatus {
+    /// Lifecycle phase.
+    #[serde(default)]
+    pub phase: SandboxPhase,
+    /// Node the sandbox is bound to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// The runsc container id on the node (changes when a commit Full swaps in a branch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_id: Option<String>,
+    /// Present when the sandbox was restored: which snapshot and which runsc version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_from: Option<RestoredFrom>,
+    /// The identity written to `/run/ramify/identity`: unique per sandbox and per fork.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
+    /// When the sandbox's processes started (or resumed from the snapshot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    /// Exit code of the first process, once it exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Number of commits promoted into this sandbox from its branches.
+    #[serde(default)]
+    pub commits: i64,
+    /// For a branch: how its run and verdict went (written by the node agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<BranchOutcome>,
+    /// The last commit promoted into this sandbox (written by the node agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_commit: Option<AppliedCommit>,
+    /// The `.metadata.generation` last acted upon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Observations, keyed by type: `Scheduled`, `Ready`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// Provenance of a restored sandbox.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoredFrom {
+    /// The Snapshot it was restored from.
+    pub snapshot: String,
+    /// runsc version string that captured and restored it (they must match).
+    pub runsc_version: String,
+    /// sha256 of the snapshot image, verified before the restore.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// Whether it came from a warm pool (pre-restored, frozen) rather than a cold restore.
+    #[serde(default)]
+    pub warm: bool,
+}
+
+/// How a branch's run and verdict went.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BranchOutcome {
+    /// Exit code of the branch's `run` command.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The verdict, once reached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<VerdictValue>,
+    /// Why: which command or file decided, or what failed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    /// Milliseconds from the branch running to its verdict.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_millis: Option<i64>,
+    /// Milliseconds from the fork request to the branch running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_millis: Option<i64>,
+    /// Files changed against the snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diff_summary: Option<DiffSummary>,
+    /// When the verdict was reached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
+}
+
+/// A commit applied to a sandbox.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AppliedCommit {
+    /// The BranchSet whose winner was committed.
+    pub branch_set: String,
+    /// Its uid: a commit is applied at most once per BranchSet.
+    pub branch_set_uid: String,
+    /// The winning branch.
+    pub winner: String,
+    /// Full or Paths.
+    pub mode: CommitMode,
+    /// Files promoted (mode `Paths`), at most 256 listed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<FileChange>,
+    /// Number of files promoted.
+    #[serde(default)]
+    pub file_count: i64,
+    /// Bytes promoted.
+    #[serde(default)]
+    pub bytes: i64,
+    /// When it was applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Time>,
+}

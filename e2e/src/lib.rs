@@ -1,0 +1,199 @@
+//! Test support for ramify: starts (or reuses) the real control plane built from the Go
+//! module proxy (`hack/controlplane/up.sh`), installs the CRDs and hands out clients.
+//!
+//! Nothing here is a mock: every call goes to a real etcd + kube-apiserver +
+//! kube-controller-manager on loopback. When the control plane cannot start, the error
+//! says why and the test fails; it never skips.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Client, Config};
+
+/// Errors of the test harness.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    #[error("the control plane could not start: {0}")]
+    ControlPlane(String),
+    #[error("kubeconfig: {0}")]
+    Kubeconfig(String),
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("timed out after {0:?} waiting for {1}")]
+    Timeout(Duration, String),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("yaml: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+}
+
+/// The repository root (this crate lives in `<repo>/e2e`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// A running control plane: its directory, kubeconfig and the directory of its
+/// binaries (kubectl among them).
+#[derive(Debug, Clone)]
+pub struct ControlPlane {
+    pub dir: PathBuf,
+    pub kubeconfig: PathBuf,
+    pub bin_dir: PathBuf,
+}
+
+static CONTROL_PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+
+impl ControlPlane {
+    /// Starts the control plane, or reuses the one already running in
+    /// `RAMIFY_CP_DIR` (default `<repo>/.ramify/controlplane`). Called from many tests
+    /// at once; the first call does the work.
+    pub fn ensure() -> Result<ControlPlane, HarnessError> {
+        CONTROL_PLANE
+            .get_or_init(|| Self::start().map_err(|e| e.to_string()))
+            .clone()
+            .map_err(HarnessError::ControlPlane)
+    }
+
+    fn start() -> Result<ControlPlane, HarnessError> {
+        let root = repo_root();
+        let build = Command::new(root.join("hack/controlplane/build.sh"))
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !build.status.success() {
+            return Err(HarnessError::ControlPlane(
+                "hack/controlplane/build.sh failed (see its output above)".into(),
+            ));
+        }
+        let bin_dir = PathBuf::from(String::from_utf8_lossy(&build.stdout).trim());
+        let up = Command::new(root.join("hack/controlplane/up.sh"))
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !up.status.success() {
+            return Err(HarnessError::ControlPlane(
+                "hack/controlplane/up.sh failed (see its output above)".into(),
+            ));
+        }
+        let dir = PathBuf::from(String::from_utf8_lossy(&up.stdout).trim());
+        Ok(ControlPlane {
+            kubeconfig: dir.join("kubeconfig"),
+            dir,
+            bin_dir,
+        })
+    }
+
+    /// A client authenticated as the cluster admin.
+    pub async fn client(&self) -> Result<Client, HarnessError> {
+        let kc = Kubeconfig::read_from(&self.kubeconfig)
+            .map_err(|e| HarnessError::Kubeconfig(e.to_string()))?;
+        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| HarnessError::Kubeconfig(e.to_string()))?;
+        Ok(Client::try_from(config)?)
+    }
+
+    /// A `kubectl` command bound to this control plane.
+    pub fn kubectl(&self) -> Command {
+        let mut cmd = Command::new(self.bin_dir.join("kubectl"));
+        cmd.env("KUBECONFIG", &self.kubeconfig).stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs kubectl with `args`, feeding `stdin`; returns (success, stdout, stderr).
+    pub fn kubectl_run(
+        &self,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> std::io::Result<KubectlOutput> {
+        use std::io::Write;
+        let mut cmd = self.kubectl();
+        cmd.args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
+        let mut child = cmd.spawn()?;
+        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(input.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        Ok(KubectlOutput {
+            success: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
+    }
+}
+
+/// What a kubectl run printed.
+#[derive(Debug, Clone)]
+pub struct KubectlOutput {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Installs (server-side apply) the generated CRDs and waits until each is Established.
+pub async fn install_crds(client: &Client) -> Result<(), HarnessError> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let pp = PatchParams::apply("ramify-e2e").force();
+    for crd in ramify_crds::all_crds() {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        api.patch(&name, &pp, &Patch::Apply(&crd)).await?;
+        let timeout = Duration::from_secs(30);
+        tokio::time::timeout(
+            timeout,
+            await_condition(api.clone(), &name, conditions::is_crd_established()),
+        )
+        .await
+        .map_err(|_| HarnessError::Timeout(timeout, format!("CRD {name} Established")))?
+        .map_err(|e| HarnessError::ControlPlane(e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// A namespace unique to one test; deleted (by the real namespace controller) on drop
+/// of the returned guard.
+pub struct TestNamespace {
+    pub name: String,
+    client: Client,
+}
+
+impl TestNamespace {
+    /// Creates `<prefix>-<random>`.
+    pub async fn create(client: &Client, prefix: &str) -> Result<Self, HarnessError> {
+        let suffix = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("{prefix}-{}", &suffix[..8]);
+        let api: Api<Namespace> = Api::all(client.clone());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
+        }))
+        .map_err(|e| HarnessError::ControlPlane(e.to_string()))?;
+        api.create(&PostParams::default(), &ns).await?;
+        Ok(Self {
+            name,
+            client: client.clone(),
+        })
+    }
+
+    /// Deletes the namespace and everything in it.
+    pub async fn delete(self) -> Result<(), HarnessError> {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        api.delete(&self.name, &DeleteParams::default()).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Starts a real Kubernetes control plane on loopback: etcd, kube-apiserver,
+# kube-controller-manager (garbage collection, namespace deletion, service accounts)
+# and kube-scheduler, with freshly generated certificates. Writes
+#   $RAMIFY_CP_DIR/kubeconfig        (admin, group system:masters)
+#   $RAMIFY_CP_DIR/env               (KUBECONFIG=..., PATH with kubectl)
+# and returns once /readyz answers. Re-running it while the plane is healthy is a no-op.
+# Stop it with down.sh (same RAMIFY_CP_DIR).
+#
+# Environment: RAMIFY_CP_DIR (default: <repo>/.ramify/controlplane),
+# RAMIFY_CP_PORT_BASE (default 16440: apiserver +3, etcd client +0, etcd peer +1,
+# controller-manager +4, scheduler +5).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+dir="${RAMIFY_CP_DIR:-$repo/.ramify/controlplane}"
+base="${RAMIFY_CP_PORT_BASE:-16440}"
+etcd_port=$((base)); peer_port=$((base + 1)); api_port=$((base + 3))
+kcm_port=$((base + 4)); sched_port=$((base + 5))
+
+log() { echo "controlplane: $*" >&2; }
+die() { echo "controlplane: FAILED: $*" >&2; exit 1; }
+
+bin="$("$here/build.sh")" || die "building the control plane failed"
+mkdir -p "$dir/pki" "$dir/logs" "$dir/run"
+
+healthy() {
+  [[ -f "$dir/kubeconfig" ]] &&
+    "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get --raw /readyz >/dev/null 2>&1
+}
+if healthy; then log "already running ($dir)"; echo "$dir"; exit 0; fi
+# A half-started plane from an earlier run: stop it first.
+"$here/down.sh" --keep >/dev/null 2>&1 || true
+mkdir -p "$dir/pki" "$dir/logs" "$dir/run"
+
+pki="$dir/pki"
+gen_cert() { # name cn org [san]
+  local name="$1" cn="$2" org="$3" san="${4:-}"
+  local subj="/CN=$cn"; [[ -n "$org" ]] && subj="/O=$org$subj"
+  openssl genrsa -out "$pki/$name.key" 2048 2>/dev/null
+  openssl req -new -key "$pki/$name.key" -subj "$subj" -out "$pki/$name.csr" 2>/dev/null
+  local ext="$pki/$name.ext"
+  {
+    echo "basicConstraints=CA:FALSE"
+    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    if [[ -n "$san" ]]; then echo "extendedKeyUsage=serverAuth,clientAuth"; echo "subjectAltName=$san"
+    else echo "extendedKeyUsage=clientAuth"; fi
+  } >"$ext"
+  openssl x509 -req -in "$pki/$name.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
+    -days 30 -sha256 -extfile "$ext" -out "$pki/$name.crt" 2>/dev/null
+}
+if [[ ! -f "$pki/ca.crt" ]]; then
+  log "generating certificates"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout "$pki/ca.key" -out "$pki/ca.crt" \
+    -days 30 -subj "/CN=ramify-test-ca" 2>/dev/null
+  gen_cert apiserver kube-apiserver "" "IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
+  gen_cert admin ramify-admin system:masters
+  gen_cert controller-manager system:kube-controller-manager ""
+  gen_cert scheduler system:kube-scheduler ""
+  openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null
+fi
+
+kubeconfig() { # file user
+  cat >"$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: ramify
+  cluster:
+    server: https://127.0.0.1:$api_port
+    certificate-authority: $pki/ca.crt
+users:
+- name: $2
+  user:
+    client-certificate: $pki/$2.crt
+    client-key: $pki/$2.key
+contexts:
+- name: ramify
+  context: {cluster: ramify, user: $2, namespace: default}
+current-context: ramify
+EOF
+}
+kubeconfig "$dir/kubeconfig" admin
+kubeconfig "$dir/controller-manager.kubeconfig" controller-manager
+kubeconfig "$dir/scheduler.kubeconfig" scheduler
+
+start() { # name args...
+  local name="$1"; shift
+  setsid "$@" >"$dir/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$dir/run/$name.pid"
+}
+wait_for() { # what timeout-seconds command...
+  local what="$1" limit="$2"; shift 2
+  local deadline=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS > deadline)); then
+      tail -n 30 "$dir/logs/$what.log" >&2 || true
+      die "$what did not become ready within ${limit}s (log: $dir/logs/$what.log)"
+    fi
+    local pid; pid="$(cat "$dir/run/$what.pid")"
+    if ! kill -0 "$pid" 2>/dev/null; then
+      tail -n 30 "$dir/logs/$what.log" >&2 || true
+      die "$what exited (log: $dir/logs/$what.log)"
+    fi
+    sleep 0.2
+  done
+}
+
+log "starting etcd on 127.0.0.1:$etcd_port"
+start etcd "$bin/etcd" --name ramify --data-dir "$dir/etcd" \
+  --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+  --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+  --initial-cluster "ramify=http://127.0.0.1:$peer_port" --unsafe-no-fsync=true --log-level warn
+wait_for etcd 30 curl -sf "http://127.0.0.1:$etcd_port/health"
+
+log "starting kube-apiserver on https://127.0.0.1:$api_port"
+start kube-apiserver "$bin/kube-apiserver" \
+  --etcd-servers "http://127.0.0.1:$etcd_port" \
+  --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port" \
+  --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
+  --client-ca-file "$pki/ca.crt" \
+  --service-account-issuer https://kubernetes.default.svc \
+  --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+  --service-cluster-ip-range 10.0.0.0/24 --allow-privileged=true \
+  --authorization-mode RBAC --cert-dir "$dir/apiserver-certs"
+wait_for kube-apiserver 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get --raw /readyz
+
+log "starting kube-controller-manager and kube-scheduler"
+start kube-controller-manager "$bin/kube-controller-manager" \
+  --kubeconfig "$dir/controller-manager.kubeconfig" \
+  --authentication-kubeconfig "$dir/controller-manager.kubeconfig" \
+  --authorization-kubeconfig "$dir/controller-manager.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$kcm_port" --leader-elect=false \
+  --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
+  --use-service-account-credentials=true --controllers '*'
+start kube-scheduler "$bin/kube-scheduler" \
+  --kubeconfig "$dir/scheduler.kubeconfig" \
+  --authentication-kubeconfig "$dir/scheduler.kubeconfig" \
+  --authorization-kubeconfig "$dir/scheduler.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$sched_port" --leader-elect=false
+wait_for kube-controller-manager 60 curl -skf "https://127.0.0.1:$kcm_port/healthz"
+wait_for kube-scheduler 60 curl -skf "https://127.0.0.1:$sched_port/healthz"
+# The default ServiceAccount shows the controller manager really works.
+wait_for kube-controller-manager 60 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" -n default get serviceaccount default
+
+cat >"$dir/env" <<EOF
+export KUBECONFIG=$dir/kubeconfig
+export PATH=$bin:\$PATH
+EOF
+log "ready: KUBECONFIG=$dir/kubeconfig (kubectl in $bin)"
+echo "$dir"

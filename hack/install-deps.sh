@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs everything the demo and the tests need on a fresh Debian machine with Go and
+# Rust present: Debian packages (runsc, CNI plugins, busybox for test rootfs, ...),
+# rustfmt/clippy, and the Go-built control plane (cached by version).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+need_apt=()
+for pkg in runsc containernetworking-plugins busybox-static iptables iproute2 util-linux openssl curl jq; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  echo "install-deps: apt-get install ${need_apt[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+if [[ -x "$here/../node-agent/scripts/install-deps.sh" ]]; then "$here/../node-agent/scripts/install-deps.sh"; fi
+echo "install-deps: control plane binaries in $("$here/controlplane/build.sh")" >&2

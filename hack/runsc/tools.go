@@ -1,0 +1,6 @@
+//go:build tools
+
+// Package tools records the command this module builds so `go mod tidy` keeps it.
+package tools
+
+import _ "gvisor.dev/gvisor/runsc"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole test suite (what CI runs): formatting, lints, the CRD drift check, then
+# every tier of tests: pure unit, real kube-apiserver (control plane started here
+# and stopped at the end), real runsc sandboxes. Nothing is skipped: a missing binary
+# fails the run.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$repo/.ramify/test-controlplane}"
+export RAMIFY_CP_PORT_BASE="${RAMIFY_CP_PORT_BASE:-16540}"
+step() { printf '\n==> %s\n' "$*"; }
+
+step "toolchain checks"
+for tool in cargo go openssl curl; do
+  command -v "$tool" >/dev/null || { echo "missing $tool: run hack/install-deps.sh" >&2; exit 1; }
+done
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "CRD YAML matches the Rust types"
+cargo run -q --locked -p ramify-crds --bin crdgen -- --check crds/yaml
+
+step "control plane (etcd + kube-apiserver + kube-controller-manager + kube-scheduler)"
+trap 'hack/controlplane/down.sh || true' EXIT
+hack/controlplane/up.sh >/dev/null
+
+step "cargo test --workspace"
+cargo test --workspace --locked -- --include-ignored

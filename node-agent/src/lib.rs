@@ -1,0 +1,1 @@
+//! ramify node agent: the only component that touches runsc.

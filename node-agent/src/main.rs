@@ -1,0 +1,3 @@
+fn main() {
+    println!("ramify-node-agent {}", env!("CARGO_PKG_VERSION"));
+}

@@ -1,0 +1,3 @@
+fn main() {
+    println!("ramify-operator {}", env!("CARGO_PKG_VERSION"));
+}
