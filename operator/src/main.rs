@@ -1,3 +1,101 @@
-fn main() {
-    println!("ramify-operator {}", env!("CARGO_PKG_VERSION"));
+//! `ramify-operator`: runs the controllers, serves metrics and health, and (with
+//! `--leader-elect`) reconciles only while holding the leader Lease.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use ramify_operator::context::{Context, Settings};
+use ramify_operator::http::{self, Health};
+use ramify_operator::leader::{self, LeaderConfig};
+use ramify_operator::metrics::Metrics;
+use tracing::{error, info};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ramify-operator",
+    version,
+    about = "ramify operator: Sandbox, Snapshot and BranchSet reconcilers"
+)]
+struct Args {
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "RAMIFY_METRICS_ADDR", default_value = "127.0.0.1:8080")]
+    metrics_addr: SocketAddr,
+    /// Namespace of the node-agent Leases and of the leader Lease.
+    #[arg(long, env = "RAMIFY_SYSTEM_NAMESPACE", default_value = "ramify-system")]
+    system_namespace: String,
+    /// Reconcile only while holding the leader Lease (run two replicas safely).
+    #[arg(long, env = "RAMIFY_LEADER_ELECT", default_value_t = false)]
+    leader_elect: bool,
+    /// This replica's identity in the leader Lease (defaults to the hostname + pid).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Seconds a node agent may be gone before deletions stop waiting for it.
+    #[arg(long, default_value_t = 300)]
+    node_lost_grace_seconds: u64,
+    /// Log as JSON.
+    #[arg(long, env = "RAMIFY_LOG_JSON", default_value_t = false)]
+    log_json: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if args.log_json {
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+    let client = kube::Client::try_default().await?;
+    let metrics = Metrics::new();
+    let health = Health::default();
+    tokio::spawn({
+        let (m, h) = (metrics.clone(), health.clone());
+        async move {
+            if let Err(e) = http::serve(args.metrics_addr, m, h).await {
+                error!(error = %e, "metrics server failed");
+            }
+        }
+    });
+    let settings = Settings {
+        system_namespace: args.system_namespace.clone(),
+        node_lost_grace: Duration::from_secs(args.node_lost_grace_seconds),
+    };
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        metrics,
+        settings,
+        Some(identity.clone()),
+    ));
+    if args.leader_elect {
+        let cfg = LeaderConfig {
+            namespace: args.system_namespace,
+            lease_name: "ramify-operator".into(),
+            identity,
+            lease_duration: Duration::from_secs(15),
+        };
+        health.set_ready(true);
+        leader::acquire(&client, &cfg).await;
+        tokio::select! {
+            _ = ramify_operator::run_controllers(ctx) => info!("controllers stopped"),
+            err = leader::hold(&client, &cfg) => {
+                // Another replica may lead now: stop reconciling at once.
+                anyhow::bail!("lost leadership: {err}");
+            }
+        }
+    } else {
+        health.set_ready(true);
+        ramify_operator::run_controllers(ctx).await;
+    }
+    Ok(())
 }

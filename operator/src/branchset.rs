@@ -1,0 +1,199 @@
+//! BranchSet reconciler: observes, asks `plan` what to do, and does it. The status is
+//! written with server-side apply carrying the resourceVersion that was read, so a
+//! winner is recorded by exactly one write even across operator replicas and restarts
+//! (and the schema refuses any later change of `status.winner`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use ramify_crds::{BranchSet, LABEL_BRANCHSET, Sandbox, Snapshot};
+use serde_json::json;
+use tracing::{debug, instrument};
+
+use crate::context::Context;
+use crate::error::{Error, Result, is_not_found};
+use crate::plan::{self, Observed};
+
+pub const CONTROLLER: &str = "branchset";
+const STATUS_MANAGER: &str = "ramify-operator/branchset";
+
+/// Reconciles one BranchSet.
+#[instrument(skip_all, fields(branchset = %obj.name_any(), ns = obj.namespace().unwrap_or_default()))]
+pub async fn reconcile(obj: Arc<DeserializeGuard<BranchSet>>, ctx: Arc<Context>) -> Result<Action> {
+    let started = Instant::now();
+    let res = match &obj.0 {
+        Ok(bs) => reconcile_branchset(bs, &ctx).await,
+        Err(invalid) => {
+            crate::report_invalid(&ctx, "BranchSet", invalid).await;
+            Ok(Action::await_change())
+        }
+    };
+    ctx.metrics.reconciled(CONTROLLER, started.elapsed());
+    res
+}
+
+async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
+    if bs.metadata.deletion_timestamp.is_some() {
+        // Children go with ownerReferences (garbage collection).
+        crate::metrics::set_phase_opt(
+            &ctx.metrics,
+            "BranchSet",
+            None,
+            &bs.namespace().unwrap_or_default(),
+            &bs.name_any(),
+        );
+        return Ok(Action::await_change());
+    }
+    let ns = bs.namespace().unwrap_or_default();
+    let name = bs.name_any();
+    let sandboxes: Api<Sandbox> = Api::namespaced(ctx.client.clone(), &ns);
+    let snapshots: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
+
+    // Observe.
+    let snap_name = match (&bs.spec.source.sandbox, &bs.spec.source.snapshot) {
+        (_, Some(s)) => s.clone(),
+        _ => plan::snapshot_name(&name),
+    };
+    let snapshot = snapshots.get_opt(&snap_name).await?;
+    let parent_name = match (&bs.spec.source.sandbox, &snapshot) {
+        (Some(s), _) => Some(s.clone()),
+        (None, Some(snap)) => Some(snap.spec.source.sandbox.clone()),
+        _ => None,
+    };
+    let parent = match &parent_name {
+        Some(p) => sandboxes.get_opt(p).await?,
+        None => None,
+    };
+    let branches = sandboxes
+        .list(&ListParams::default().labels(&format!("{LABEL_BRANCHSET}={name}")))
+        .await?
+        .items;
+    let plan = plan::plan(&Observed {
+        bs,
+        snapshot: snapshot.as_ref(),
+        parent: parent.as_ref(),
+        branches: &branches,
+        now: Timestamp::now(),
+    });
+
+    // Write the status first: the winner is decided by this write succeeding.
+    let old = bs.status.clone().unwrap_or_default();
+    if plan.status != old {
+        let body = json!({
+            "apiVersion": "ramify.dev/v1alpha1",
+            "kind": "BranchSet",
+            "metadata": {"resourceVersion": bs.resource_version()},
+            "status": plan.status,
+        });
+        let api: Api<BranchSet> = Api::namespaced(ctx.client.clone(), &ns);
+        match api
+            .patch_status(
+                &name,
+                &PatchParams::apply(STATUS_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                if old.winner.is_none() && plan.status.winner.is_some() {
+                    ctx.metrics.commit_conflicts.inc();
+                }
+                return Err(Error::Conflict(format!("branchset {name}")));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    crate::metrics::set_phase(
+        &ctx.metrics,
+        "BranchSet",
+        &format!("{:?}", plan.status.phase),
+        &ns,
+        &name,
+    );
+    if let Some(d) = plan.forked_after {
+        ctx.metrics.fork_latency.observe(d.as_secs_f64());
+        let warm = plan.status.branches.iter().filter(|b| b.warm).count() as u64;
+        ctx.metrics.warm_hits.inc_by(warm);
+        ctx.metrics
+            .warm_misses
+            .inc_by(plan.status.branches.len() as u64 - warm);
+    }
+    if let Some(d) = plan.invalidated_after {
+        ctx.metrics.invalidation_latency.observe(d.as_secs_f64());
+    }
+    let reference = bs.object_ref(&());
+    for note in &plan.notes {
+        ctx.event(&reference, note.warning, note.reason, note.message.clone())
+            .await;
+    }
+
+    // Act: deletions first (losers go at once), then creations.
+    for sbx in &plan.delete_branches {
+        match sandboxes.delete(sbx, &DeleteParams::background()).await {
+            Ok(_) => debug!(sandbox = %sbx, "deleted branch"),
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    abort_nested(ctx, &ns, &plan.invalidated_parents).await?;
+    if let Some(snap) = &plan.create_snapshot {
+        create_ignoring_exists(&snapshots, snap).await?;
+    }
+    for sbx in &plan.create_branches {
+        create_ignoring_exists(&sandboxes, sbx).await?;
+    }
+    Ok(match plan.requeue {
+        Some(d) => Action::requeue(d),
+        None => Action::requeue(Duration::from_secs(300)),
+    })
+}
+
+/// BranchSets nested under an invalidated branch abort with it: their branch sandboxes
+/// are deleted now; their own reconcile (triggered by the parent's deletion) records
+/// `Failed/ParentInvalidated`.
+async fn abort_nested(ctx: &Context, ns: &str, parents: &[String]) -> Result<()> {
+    if parents.is_empty() {
+        return Ok(());
+    }
+    let api: Api<BranchSet> = Api::namespaced(ctx.client.clone(), ns);
+    let sandboxes: Api<Sandbox> = Api::namespaced(ctx.client.clone(), ns);
+    for nested in api.list(&ListParams::default()).await?.items {
+        let nested_parent = nested.status.as_ref().and_then(|s| s.parent.clone());
+        if nested_parent.is_some_and(|p| parents.contains(&p)) {
+            let sel = format!("{LABEL_BRANCHSET}={}", nested.name_any());
+            for sbx in sandboxes
+                .list(&ListParams::default().labels(&sel))
+                .await?
+                .items
+            {
+                if sbx.metadata.deletion_timestamp.is_none() {
+                    match sandboxes
+                        .delete(&sbx.name_any(), &DeleteParams::background())
+                        .await
+                    {
+                        Ok(_) | Err(kube::Error::Api(_)) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn create_ignoring_exists<K>(api: &Api<K>, obj: &K) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), obj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}

@@ -1,0 +1,65 @@
+//! Typed errors with a category that feeds `failures{error}` and Kubernetes Events.
+
+use std::time::Duration;
+
+/// Errors of the reconcilers.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The API server refused or failed a call; usually transient.
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// An object could not be (de)serialized.
+    #[error("serialization: {0}")]
+    Serde(#[from] serde_json::Error),
+    /// An object the spec references does not exist (yet).
+    #[error("{kind} {name:?} not found")]
+    NotFound { kind: &'static str, name: String },
+    /// An object is malformed in a way the schema cannot catch; reported in status.
+    #[error("invalid object: {0}")]
+    Invalid(String),
+    /// Another writer changed the object first; the reconcile re-reads and retries.
+    #[error("conflict writing {0}: another writer was first")]
+    Conflict(String),
+    /// No live node agent to bind to.
+    #[error("no node agent is available")]
+    NoNode,
+}
+
+impl Error {
+    /// A short, stable label for metrics and Event reasons.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube_api",
+            Error::Serde(_) => "serialization",
+            Error::NotFound { .. } => "not_found",
+            Error::Invalid(_) => "invalid",
+            Error::Conflict(_) => "conflict",
+            Error::NoNode => "no_node",
+        }
+    }
+
+    /// How long to wait before retrying: conflicts at once, the rest with a backoff
+    /// that the caller scales by the failure count.
+    pub fn retry_after(&self, failures: u32) -> Duration {
+        match self {
+            Error::Conflict(_) => Duration::from_millis(10),
+            _ => {
+                let exp = failures.min(6);
+                Duration::from_millis(250u64 << exp).min(Duration::from_secs(30))
+            }
+        }
+    }
+
+    /// Whether the error is a 409 from the API server.
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, Error::Conflict(_))
+            || matches!(self, Error::Kube(kube::Error::Api(s)) if s.code == 409)
+    }
+}
+
+/// Whether a kube error is a 404.
+pub fn is_not_found(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(s) if s.code == 404)
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

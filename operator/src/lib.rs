@@ -1,0 +1,257 @@
+//! The ramify operator: decides, never runs. It binds Sandboxes and Snapshots to node
+//! agents, drives each BranchSet from snapshot to fork to verdict to commit, and
+//! enforces first-commit-wins. Node agents do the runsc work and report through status.
+
+pub mod branchset;
+pub mod context;
+pub mod error;
+pub mod http;
+pub mod leader;
+pub mod metrics;
+pub mod nodes;
+pub mod plan;
+pub mod sandbox;
+pub mod snapshot;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::core::error_boundary::InvalidObject;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use ramify_crds::{BranchSet, FINALIZER_NODE_CLEANUP, Sandbox, Snapshot};
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::context::Context;
+use crate::error::{Error, Result, is_not_found};
+
+/// Adds the node-cleanup finalizer (guarded by resourceVersion, so a concurrent
+/// change is not overwritten).
+pub async fn add_finalizer<K>(api: &Api<K>, obj: &K) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut finalizers = obj.meta().finalizers.clone().unwrap_or_default();
+    finalizers.push(FINALIZER_NODE_CLEANUP.to_string());
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
+    match api
+        .patch(
+            &obj.meta().name.clone().unwrap_or_default(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Conflict("finalizer".into())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Removes the node-cleanup finalizer.
+pub async fn remove_finalizer<K>(api: &Api<K>, obj: &K) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let finalizers: Vec<String> = obj
+        .meta()
+        .finalizers
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f != FINALIZER_NODE_CLEANUP)
+        .collect();
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
+    match api
+        .patch(
+            &obj.meta().name.clone().unwrap_or_default(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Conflict("finalizer".into())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// How long the node agent of `node` has been gone (zero while its lease is live;
+/// a very long time when it never announced itself).
+pub async fn node_lost_for(ctx: &Context, node: &str) -> Result<Duration> {
+    let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.settings.system_namespace);
+    let Some(lease) = api.get_opt(&nodes::lease_name(node)).await? else {
+        return Ok(Duration::MAX);
+    };
+    let Some(spec) = lease.spec else {
+        return Ok(Duration::MAX);
+    };
+    let Some(renew) = spec.renew_time else {
+        return Ok(Duration::MAX);
+    };
+    let expiry =
+        renew.0 + SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(15)));
+    let now = Timestamp::now();
+    Ok(if now > expiry {
+        now.duration_since(expiry).try_into().unwrap_or_default()
+    } else {
+        Duration::ZERO
+    })
+}
+
+/// An object that does not deserialize (a bad write that bypassed validation, or an
+/// older schema) is reported once as a Warning Event and skipped; it never wedges
+/// the controller.
+pub async fn report_invalid(ctx: &Context, kind: &str, invalid: &InvalidObject) {
+    warn!(kind, name = ?invalid.metadata.name, error = %invalid.error, "skipping object that does not deserialize");
+    ctx.metrics.failed(kind, "invalid_object");
+    let reference = k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("ramify.dev/v1alpha1".into()),
+        kind: Some(kind.into()),
+        name: invalid.metadata.name.clone(),
+        namespace: invalid.metadata.namespace.clone(),
+        uid: invalid.metadata.uid.clone(),
+        ..Default::default()
+    };
+    ctx.event(&reference, true, "InvalidObject", invalid.error.clone())
+        .await;
+}
+
+fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Context>) -> Action {
+    move |_obj, err, ctx| {
+        ctx.metrics.failed(controller, err.category());
+        if err.is_conflict() {
+            Action::requeue(Duration::from_millis(10))
+        } else {
+            warn!(controller, error = %err, "reconcile failed");
+            Action::requeue(err.retry_after(3))
+        }
+    }
+}
+
+/// Runs the three controllers until the stream ends (shutdown signal).
+pub async fn run_controllers(ctx: Arc<Context>) {
+    let client = ctx.client.clone();
+    let cfg = watcher::Config::default().any_semantic();
+
+    let sandboxes = Controller::new(
+        Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
+        cfg.clone(),
+    )
+    .shutdown_on_signal()
+    .run(
+        sandbox::reconcile,
+        error_policy(sandbox::CONTROLLER),
+        ctx.clone(),
+    )
+    .for_each(|_| futures::future::ready(()));
+
+    let snap_ctl = Controller::new(
+        Api::<DeserializeGuard<Snapshot>>::all(client.clone()),
+        cfg.clone(),
+    );
+    let snap_store = snap_ctl.store();
+    let snapshots = snap_ctl
+        // A source sandbox getting its node lets its pending snapshots bind.
+        .watches(
+            Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
+            cfg.clone(),
+            move |sbx| {
+                let ns = sbx.namespace();
+                let name = sbx.name_any();
+                snap_store
+                    .state()
+                    .into_iter()
+                    .filter(|s| {
+                        s.0.as_ref().is_ok_and(|s| s.spec.source.sandbox == name)
+                            && s.namespace() == ns
+                    })
+                    .map(|s| ObjectRef::from_obj(&*s))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .shutdown_on_signal()
+        .run(
+            snapshot::reconcile,
+            error_policy(snapshot::CONTROLLER),
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+
+    let bs_ctl = Controller::new(
+        Api::<DeserializeGuard<BranchSet>>::all(client.clone()),
+        cfg.clone(),
+    );
+    let store_for_parents = bs_ctl.store();
+    let store_for_snaps = bs_ctl.store();
+    let branchsets = bs_ctl
+        .owns(
+            Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
+            cfg.clone(),
+        )
+        .owns(
+            Api::<DeserializeGuard<Snapshot>>::all(client.clone()),
+            cfg.clone(),
+        )
+        // The parent sandbox (commits recorded on it; nested sets abort with it).
+        .watches(
+            Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
+            cfg.clone(),
+            move |sbx| {
+                let ns = sbx.namespace();
+                let name = sbx.name_any();
+                store_for_parents
+                    .state()
+                    .into_iter()
+                    .filter(|b| {
+                        b.namespace() == ns
+                            && b.0.as_ref().is_ok_and(|b| {
+                                b.spec.source.sandbox.as_deref() == Some(name.as_str())
+                                    || b.status.as_ref().and_then(|s| s.parent.as_deref())
+                                        == Some(name.as_str())
+                            })
+                    })
+                    .map(|b| ObjectRef::from_obj(&*b))
+                    .collect::<Vec<_>>()
+            },
+        )
+        // A user-provided source snapshot becoming Ready.
+        .watches(
+            Api::<DeserializeGuard<Snapshot>>::all(client.clone()),
+            cfg,
+            move |snap| {
+                let ns = snap.namespace();
+                let name = snap.name_any();
+                store_for_snaps
+                    .state()
+                    .into_iter()
+                    .filter(|b| {
+                        b.namespace() == ns
+                            && b.0.as_ref().is_ok_and(|b| {
+                                b.spec.source.snapshot.as_deref() == Some(name.as_str())
+                            })
+                    })
+                    .map(|b| ObjectRef::from_obj(&*b))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .shutdown_on_signal()
+        .run(
+            branchset::reconcile,
+            error_policy(branchset::CONTROLLER),
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+
+    info!("controllers running");
+    tokio::join!(sandboxes, snapshots, branchsets);
+}

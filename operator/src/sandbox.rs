@@ -1,0 +1,240 @@
+//! Sandbox reconciler: adds the node-cleanup finalizer and binds each Sandbox to a
+//! node (`status.nodeName`). The node agent on that node does the rest.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::core::object::HasStatus;
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use ramify_crds::{
+    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Sandbox, SandboxPhase,
+    Snapshot, SnapshotPhase,
+};
+use serde_json::json;
+use tracing::instrument;
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::nodes;
+
+pub const CONTROLLER: &str = "sandbox";
+const BINDING_MANAGER: &str = "ramify-operator/sandbox-binding";
+
+/// Reconciles one Sandbox.
+#[instrument(skip_all, fields(sandbox = %obj.name_any(), ns = obj.namespace().unwrap_or_default()))]
+pub async fn reconcile(obj: Arc<DeserializeGuard<Sandbox>>, ctx: Arc<Context>) -> Result<Action> {
+    let started = Instant::now();
+    let res = match &obj.0 {
+        Ok(sbx) => reconcile_sandbox(sbx, &ctx).await,
+        Err(invalid) => {
+            crate::report_invalid(&ctx, "Sandbox", invalid).await;
+            Ok(Action::await_change())
+        }
+    };
+    ctx.metrics.reconciled(CONTROLLER, started.elapsed());
+    res
+}
+
+async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
+    let ns = sbx.namespace().unwrap_or_default();
+    let name = sbx.name_any();
+    let api: Api<Sandbox> = Api::namespaced(ctx.client.clone(), &ns);
+    let status = sbx.status().cloned().unwrap_or_default();
+
+    if sbx.metadata.deletion_timestamp.is_some() {
+        return release_if_unbound_or_lost(sbx, &api, ctx).await;
+    }
+    if !sbx.finalizers().iter().any(|f| f == FINALIZER_NODE_CLEANUP) {
+        crate::add_finalizer(&api, sbx).await?;
+        return Ok(Action::await_change());
+    }
+    if status.node_name.is_some() {
+        return Ok(Action::requeue(Duration::from_secs(300)));
+    }
+
+    // Bind: explicit node, else the node holding the snapshot, else the freest node.
+    let node = if let Some(node) = &sbx.spec.node_name {
+        node.clone()
+    } else if let Some(restore) = &sbx.spec.restore_from {
+        let snaps: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
+        let Some(snap) = snaps.get_opt(&restore.snapshot).await? else {
+            return unschedulable(
+                sbx,
+                &api,
+                ctx,
+                "SnapshotNotFound",
+                format!("snapshot {} not found", restore.snapshot),
+                false,
+            )
+            .await;
+        };
+        let st = snap.status.clone().unwrap_or_default();
+        match (st.phase, st.node_name) {
+            (SnapshotPhase::Ready, Some(node)) => node,
+            (SnapshotPhase::Failed | SnapshotPhase::Expired, _) => {
+                // No silent fallback: a restore that cannot happen fails the sandbox.
+                return unschedulable(
+                    sbx,
+                    &api,
+                    ctx,
+                    "SnapshotUnusable",
+                    format!(
+                        "snapshot {} is {:?}; the sandbox is not started fresh in its place",
+                        restore.snapshot, st.phase
+                    ),
+                    true,
+                )
+                .await;
+            }
+            _ => {
+                return unschedulable(
+                    sbx,
+                    &api,
+                    ctx,
+                    "SnapshotNotReady",
+                    format!("waiting for snapshot {}", restore.snapshot),
+                    false,
+                )
+                .await;
+            }
+        }
+    } else {
+        let agents = nodes::list(&ctx.client, &ctx.settings.system_namespace).await?;
+        let all: Api<Sandbox> = Api::all(ctx.client.clone());
+        let bound = all.list(&ListParams::default()).await?;
+        let count = |node: &str| {
+            u32::try_from(
+                bound
+                    .items
+                    .iter()
+                    .filter(|s| {
+                        s.status.as_ref().and_then(|st| st.node_name.as_deref()) == Some(node)
+                    })
+                    .count(),
+            )
+            .unwrap_or(u32::MAX)
+        };
+        match nodes::choose(&agents, &count) {
+            Some(node) => node,
+            None => {
+                return unschedulable(
+                    sbx,
+                    &api,
+                    ctx,
+                    "NoNodeAgent",
+                    "no live node agent with free capacity".into(),
+                    false,
+                )
+                .await;
+            }
+        }
+    };
+    let mut conditions = status.conditions.clone();
+    conditions.set_condition(
+        Condition::new(
+            "Scheduled",
+            ConditionStatus::True,
+            "Bound",
+            format!("bound to node {node}"),
+            sbx.metadata.generation,
+        ),
+        Time(Timestamp::now()),
+    );
+    let patch = json!({
+        "apiVersion": "ramify.dev/v1alpha1",
+        "kind": "Sandbox",
+        "metadata": {"resourceVersion": sbx.resource_version()},
+        "status": {"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()},
+    });
+    match api
+        .patch_status(
+            &name,
+            &PatchParams::apply(BINDING_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            return Err(Error::Conflict(format!("sandbox {name}")));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    ctx.event(
+        &sbx.object_ref(&()),
+        false,
+        "Scheduled",
+        format!("bound to node {node}"),
+    )
+    .await;
+    Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+async fn unschedulable(
+    sbx: &Sandbox,
+    api: &Api<Sandbox>,
+    ctx: &Context,
+    reason: &str,
+    message: String,
+    fatal: bool,
+) -> Result<Action> {
+    let mut conditions = sbx.status.clone().unwrap_or_default().conditions;
+    let before = conditions.get_condition("Scheduled").cloned();
+    conditions.set_condition(
+        Condition::new(
+            "Scheduled",
+            ConditionStatus::False,
+            reason,
+            message.clone(),
+            sbx.metadata.generation,
+        ),
+        Time(Timestamp::now()),
+    );
+    let mut status = json!({"conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()});
+    if fatal {
+        status["phase"] = json!(SandboxPhase::Failed);
+    }
+    let patch = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": status});
+    api.patch_status(
+        &sbx.name_any(),
+        &PatchParams::apply(BINDING_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    if before.map(|c| c.reason) != Some(reason.to_string()) {
+        ctx.event(&sbx.object_ref(&()), true, reason, message).await;
+    }
+    Ok(if fatal {
+        Action::await_change()
+    } else {
+        Action::requeue(Duration::from_secs(2))
+    })
+}
+
+/// A Sandbox being deleted: the node agent releases the finalizer after cleaning up.
+/// The operator releases it only when no node ever held the sandbox, or when the node
+/// agent has been gone for longer than the grace period.
+async fn release_if_unbound_or_lost(
+    sbx: &Sandbox,
+    api: &Api<Sandbox>,
+    ctx: &Context,
+) -> Result<Action> {
+    if !sbx.finalizers().iter().any(|f| f == FINALIZER_NODE_CLEANUP) {
+        return Ok(Action::await_change());
+    }
+    let node = sbx.status.as_ref().and_then(|s| s.node_name.clone());
+    let release = match node {
+        None => true,
+        Some(node) => crate::node_lost_for(ctx, &node).await? > ctx.settings.node_lost_grace,
+    };
+    if release {
+        crate::remove_finalizer(api, sbx).await?;
+        return Ok(Action::await_change());
+    }
+    Ok(Action::requeue(Duration::from_secs(30)))
+}

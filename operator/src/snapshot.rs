@@ -1,0 +1,176 @@
+//! Snapshot reconciler: adds the node-cleanup finalizer, binds each Snapshot to the
+//! node that runs its source sandbox, records capture metrics and deletes expired
+//! snapshots (TTL). The node agent captures and reports.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use ramify_crds::{
+    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Sandbox, Snapshot,
+    SnapshotPhase,
+};
+use serde_json::json;
+use tracing::instrument;
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+
+pub const CONTROLLER: &str = "snapshot";
+const BINDING_MANAGER: &str = "ramify-operator/snapshot-binding";
+
+/// Reconciles one Snapshot.
+#[instrument(skip_all, fields(snapshot = %obj.name_any(), ns = obj.namespace().unwrap_or_default()))]
+pub async fn reconcile(obj: Arc<DeserializeGuard<Snapshot>>, ctx: Arc<Context>) -> Result<Action> {
+    let started = Instant::now();
+    let res = match &obj.0 {
+        Ok(snap) => reconcile_snapshot(snap, &ctx).await,
+        Err(invalid) => {
+            crate::report_invalid(&ctx, "Snapshot", invalid).await;
+            Ok(Action::await_change())
+        }
+    };
+    ctx.metrics.reconciled(CONTROLLER, started.elapsed());
+    res
+}
+
+async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
+    let ns = snap.namespace().unwrap_or_default();
+    let name = snap.name_any();
+    let api: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
+    let status = snap.status.clone().unwrap_or_default();
+
+    if snap.metadata.deletion_timestamp.is_some() {
+        if snap
+            .finalizers()
+            .iter()
+            .any(|f| f == FINALIZER_NODE_CLEANUP)
+        {
+            let release = match &status.node_name {
+                None => true,
+                Some(node) => crate::node_lost_for(ctx, node).await? > ctx.settings.node_lost_grace,
+            };
+            if release {
+                crate::remove_finalizer(&api, snap).await?;
+            } else {
+                return Ok(Action::requeue(Duration::from_secs(30)));
+            }
+        }
+        return Ok(Action::await_change());
+    }
+    if !snap
+        .finalizers()
+        .iter()
+        .any(|f| f == FINALIZER_NODE_CLEANUP)
+    {
+        crate::add_finalizer(&api, snap).await?;
+        return Ok(Action::await_change());
+    }
+
+    crate::metrics::set_phase(
+        &ctx.metrics,
+        "Snapshot",
+        &format!("{:?}", status.phase),
+        &ns,
+        &name,
+    );
+
+    if status.phase == SnapshotPhase::Ready {
+        if let (Some(ttl), Some(at)) = (snap.spec.ttl_seconds, status.captured_at.as_ref()) {
+            let expires = at.0 + SignedDuration::from_secs(ttl);
+            let now = Timestamp::now();
+            if now >= expires {
+                ctx.event(
+                    &snap.object_ref(&()),
+                    false,
+                    "Expired",
+                    format!("TTL of {ttl}s passed; deleting"),
+                )
+                .await;
+                api.delete(&name, &DeleteParams::background()).await?;
+                return Ok(Action::await_change());
+            }
+            let wait: Duration = expires.duration_since(now).try_into().unwrap_or_default();
+            return Ok(Action::requeue(wait + Duration::from_millis(100)));
+        }
+        return Ok(Action::await_change());
+    }
+    if status.node_name.is_some() {
+        return Ok(Action::await_change());
+    }
+
+    // Bind to the node that runs the source.
+    let sandboxes: Api<Sandbox> = Api::namespaced(ctx.client.clone(), &ns);
+    let source = sandboxes.get_opt(&snap.spec.source.sandbox).await?;
+    let node = source
+        .as_ref()
+        .and_then(|s| s.status.as_ref())
+        .and_then(|s| s.node_name.clone());
+    let mut conditions = status.conditions.clone();
+    let (cond, node) = match node {
+        Some(node) => (
+            Condition::new(
+                "Scheduled",
+                ConditionStatus::True,
+                "Bound",
+                format!("capturing on node {node}"),
+                snap.metadata.generation,
+            ),
+            Some(node),
+        ),
+        None => {
+            let why = if source.is_none() {
+                format!("source sandbox {} not found", snap.spec.source.sandbox)
+            } else {
+                format!(
+                    "source sandbox {} is not bound to a node yet",
+                    snap.spec.source.sandbox
+                )
+            };
+            (
+                Condition::new(
+                    "Scheduled",
+                    ConditionStatus::False,
+                    "SourceNotRunning",
+                    why,
+                    snap.metadata.generation,
+                ),
+                None,
+            )
+        }
+    };
+    conditions.set_condition(cond, Time(Timestamp::now()));
+    let mut body = json!({
+        "apiVersion": "ramify.dev/v1alpha1",
+        "kind": "Snapshot",
+        "metadata": {"resourceVersion": snap.resource_version()},
+        "status": {"conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()},
+    });
+    if let Some(node) = &node {
+        body["status"]["nodeName"] = json!(node);
+    }
+    match api
+        .patch_status(
+            &name,
+            &PatchParams::apply(BINDING_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            return Err(Error::Conflict(format!("snapshot {name}")));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(if node.is_some() {
+        Action::await_change()
+    } else {
+        Action::requeue(Duration::from_secs(1))
+    })
+}
