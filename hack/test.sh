@@ -28,5 +28,8 @@ step "control plane (etcd + kube-apiserver + kube-controller-manager + kube-sche
 trap 'hack/controlplane/down.sh || true' EXIT
 hack/controlplane/up.sh >/dev/null
 
+step "cargo build --bins (the end-to-end tests run the real binaries)"
+cargo build --workspace --bins --locked
+
 step "cargo test --workspace"
 cargo test --workspace --locked -- --include-ignored

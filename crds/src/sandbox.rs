@@ -18,6 +18,7 @@ use crate::common::{Condition, EnvVar};
     namespaced,
     status = "SandboxStatus",
     shortname = "sbx",
+    selectable = ".status.nodeName",
     category = "ramify",
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,

@@ -17,6 +17,7 @@ use crate::common::Condition;
     namespaced,
     status = "SnapshotStatus",
     shortname = "snap",
+    selectable = ".status.nodeName",
     category = "ramify",
     printcolumn = r#"{"name":"Source","type":"string","jsonPath":".spec.source.sandbox"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,

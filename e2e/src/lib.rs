@@ -139,6 +139,22 @@ impl ControlPlane {
     }
 }
 
+impl ControlPlane {
+    /// Runs kubectl until it succeeds or `timeout` passes; returns the last output.
+    /// For reads that lag behind a write by design (the OpenAPI document that
+    /// `kubectl explain` reads is rebuilt asynchronously after a CRD is established).
+    pub fn kubectl_until_ok(&self, args: &[&str], timeout: Duration) -> std::io::Result<KubectlOutput> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let out = self.kubectl_run(args, None)?;
+            if out.success || std::time::Instant::now() >= deadline {
+                return Ok(out);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 /// What a kubectl run printed.
 #[derive(Debug, Clone)]
 pub struct KubectlOutput {
@@ -195,5 +211,88 @@ impl TestNamespace {
         let api: Api<Namespace> = Api::all(self.client.clone());
         api.delete(&self.name, &DeleteParams::default()).await?;
         Ok(())
+    }
+}
+
+/// The ramify binaries built by `cargo build` (the test command builds them first).
+pub fn binary(name: &str) -> Result<PathBuf, HarnessError> {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target"));
+    let path = target.join("debug").join(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(HarnessError::ControlPlane(format!(
+            "{} is missing: run `cargo build --bins` first (hack/test.sh does)",
+            path.display()
+        )))
+    }
+}
+
+/// A ramify component running as a real process (so tests can kill and restart it).
+pub struct Component {
+    pub name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl Component {
+    /// Describes (does not start) a component.
+    pub fn new(name: &str, program: PathBuf, args: Vec<String>, env: Vec<(String, String)>, log_dir: &Path) -> Self {
+        Self {
+            name: name.to_string(),
+            program,
+            args,
+            env,
+            log: log_dir.join(format!("{name}.log")),
+            child: None,
+        }
+    }
+
+    /// Starts it, appending to its log.
+    pub fn start(&mut self) -> Result<(), HarnessError> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .envs(self.env.iter().cloned())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILLs it: no clean shutdown, as a crash or an OOM kill would.
+    pub fn kill(&mut self) -> Result<(), HarnessError> {
+        if let Some(mut c) = self.child.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// The last `n` lines of its log (for failure messages).
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+impl Drop for Component {
+    fn drop(&mut self) {
+        let _ = self.kill();
     }
 }

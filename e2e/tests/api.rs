@@ -3,6 +3,8 @@
 //! immutable fields stay immutable, printer columns show phase and Ready.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::time::Duration;
+
 use kube::api::{Api, Patch, PatchParams};
 use ramify_crds::{Sandbox, SandboxPhase};
 use ramify_e2e::{ControlPlane, TestNamespace, install_crds, repo_root};
@@ -22,8 +24,10 @@ async fn setup(prefix: &str) -> (ControlPlane, kube::Client, TestNamespace) {
 #[tokio::test]
 async fn crds_are_established_and_explained() {
     let (cp, _client, ns) = setup("explain").await;
+    // The OpenAPI document behind `kubectl explain` is rebuilt asynchronously after a
+    // CRD is established: wait for it rather than race it.
     let out = cp
-        .kubectl_run(&["explain", "branchset.spec"], None)
+        .kubectl_until_ok(&["explain", "branchset.spec"], Duration::from_secs(60))
         .unwrap();
     assert!(out.success, "kubectl explain failed: {}", out.stderr);
     for field in [
@@ -51,12 +55,12 @@ async fn crds_are_established_and_explained() {
             .contains("Exactly one of `branches` or `replicas`")
     );
     let out = cp
-        .kubectl_run(&["explain", "sandbox.spec.network.egress"], None)
+        .kubectl_until_ok(&["explain", "sandbox.spec.network.egress"], Duration::from_secs(60))
         .unwrap();
     assert!(out.success, "{}", out.stderr);
     assert!(out.stdout.contains("Deny"), "{}", out.stdout);
     let out = cp
-        .kubectl_run(&["explain", "snapshot.status"], None)
+        .kubectl_until_ok(&["explain", "snapshot.status"], Duration::from_secs(60))
         .unwrap();
     assert!(out.success, "{}", out.stderr);
     for field in [

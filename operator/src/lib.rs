@@ -5,7 +5,6 @@
 pub mod branchset;
 pub mod context;
 pub mod error;
-pub mod http;
 pub mod leader;
 pub mod metrics;
 pub mod nodes;

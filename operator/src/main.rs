@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use ramify_operator::context::{Context, Settings};
-use ramify_operator::http::{self, Health};
+use ramify_telemetry::{self as http, Health};
 use ramify_operator::leader::{self, LeaderConfig};
 use ramify_operator::metrics::Metrics;
 use tracing::{error, info};
@@ -60,9 +60,9 @@ async fn main() -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let health = Health::default();
     tokio::spawn({
-        let (m, h) = (metrics.clone(), health.clone());
+        let (registry, h) = (metrics.registry.clone(), health.clone());
         async move {
-            if let Err(e) = http::serve(args.metrics_addr, m, h).await {
+            if let Err(e) = http::serve(args.metrics_addr, registry, h).await {
                 error!(error = %e, "metrics server failed");
             }
         }

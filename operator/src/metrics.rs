@@ -163,11 +163,7 @@ impl Metrics {
 
     /// Renders the text exposition format.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        ramify_telemetry::render(&self.registry)
     }
 }
 

@@ -1,4 +1,4 @@
-//! `/metrics`, `/healthz` and `/readyz`.
+//! `/metrics`, `/healthz` and `/readyz`, shared by the operator and the node agent.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,11 +8,9 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+use prometheus_client::registry::Registry;
 
-use crate::metrics::Metrics;
-
-/// Shared readiness flag: ready once the controllers run (and, with leader election,
-/// also while waiting to lead: a standby replica is healthy).
+/// Shared readiness flag.
 #[derive(Clone, Default)]
 pub struct Health {
     ready: Arc<AtomicBool>,
@@ -29,23 +27,32 @@ impl Health {
 
 #[derive(Clone)]
 struct AppState {
-    metrics: Metrics,
+    registry: Arc<Registry>,
     health: Health,
 }
 
+/// Renders a registry in the Prometheus text format.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, registry).is_err() {
+        out.clear();
+    }
+    out
+}
+
 /// Serves until the process ends.
-pub async fn serve(addr: SocketAddr, metrics: Metrics, health: Health) -> std::io::Result<()> {
+pub async fn serve(addr: SocketAddr, registry: Arc<Registry>, health: Health) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .with_state(AppState { metrics, health });
+        .with_state(AppState { registry, health });
     let listener = tokio::net::TcpListener::bind(addr).await?;
     axum::serve(listener, app).await
 }
 
 async fn render_metrics(State(s): State<AppState>) -> String {
-    s.metrics.render()
+    render(&s.registry)
 }
 
 async fn readyz(State(s): State<AppState>) -> (StatusCode, &'static str) {
