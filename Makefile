@@ -10,8 +10,10 @@ down: ## stop everything `make demo` started and remove its state
 test: ## the whole test suite, as CI runs it
 	hack/test.sh
 
-crds: ## regenerate crds/yaml from the Rust types
+crds: ## regenerate crds/yaml from the Rust types, and its copies in the chart and config/crd
 	cargo run -q -p ramify-crds --bin crdgen -- --write crds/yaml
+	cp crds/yaml/ramify.dev.yaml charts/ramify/crds/ramify.dev.yaml
+	cp crds/yaml/ramify.dev.yaml config/crd/ramify.dev.yaml
 
 fmt:
 	cargo fmt --all

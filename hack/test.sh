@@ -24,6 +24,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "CRD YAML matches the Rust types"
 cargo run -q --locked -p ramify-crds --bin crdgen -- --check crds/yaml
 
+step "helm (built from the Go module proxy, cached)"
+hack/helm/build.sh >/dev/null
+
 step "control plane (etcd + kube-apiserver + kube-controller-manager + kube-scheduler)"
 trap 'hack/controlplane/down.sh || true' EXIT
 hack/controlplane/up.sh >/dev/null

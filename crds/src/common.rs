@@ -13,6 +13,9 @@ pub const VERSION: &str = "v1alpha1";
 pub const LABEL_BRANCHSET: &str = "ramify.dev/branchset";
 /// Label set on branch Sandboxes: the branch name inside its BranchSet.
 pub const LABEL_BRANCH: &str = "ramify.dev/branch";
+/// Annotation on a BranchSet: `"true"` ends it without a winner (what
+/// `kubectl ramify abort` sets). Ignored once a winner is chosen.
+pub const ANNOTATION_ABORT: &str = "ramify.dev/abort";
 /// Finalizer that holds a Sandbox or Snapshot until the node agent has removed its
 /// node-side state (runsc sandbox, netns, cgroups, image files).
 pub const FINALIZER_NODE_CLEANUP: &str = "ramify.dev/node-cleanup";

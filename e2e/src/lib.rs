@@ -143,7 +143,11 @@ impl ControlPlane {
     /// Runs kubectl until it succeeds or `timeout` passes; returns the last output.
     /// For reads that lag behind a write by design (the OpenAPI document that
     /// `kubectl explain` reads is rebuilt asynchronously after a CRD is established).
-    pub fn kubectl_until_ok(&self, args: &[&str], timeout: Duration) -> std::io::Result<KubectlOutput> {
+    pub fn kubectl_until_ok(
+        &self,
+        args: &[&str],
+        timeout: Duration,
+    ) -> std::io::Result<KubectlOutput> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
             let out = self.kubectl_run(args, None)?;
@@ -242,7 +246,13 @@ pub struct Component {
 
 impl Component {
     /// Describes (does not start) a component.
-    pub fn new(name: &str, program: PathBuf, args: Vec<String>, env: Vec<(String, String)>, log_dir: &Path) -> Self {
+    pub fn new(
+        name: &str,
+        program: PathBuf,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        log_dir: &Path,
+    ) -> Self {
         Self {
             name: name.to_string(),
             program,
@@ -255,7 +265,10 @@ impl Component {
 
     /// Starts it, appending to its log.
     pub fn start(&mut self) -> Result<(), HarnessError> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
         let child = Command::new(&self.program)
             .args(&self.args)
             .envs(self.env.iter().cloned())

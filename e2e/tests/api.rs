@@ -55,7 +55,10 @@ async fn crds_are_established_and_explained() {
             .contains("Exactly one of `branches` or `replicas`")
     );
     let out = cp
-        .kubectl_until_ok(&["explain", "sandbox.spec.network.egress"], Duration::from_secs(60))
+        .kubectl_until_ok(
+            &["explain", "sandbox.spec.network.egress"],
+            Duration::from_secs(60),
+        )
         .unwrap();
     assert!(out.success, "{}", out.stderr);
     assert!(out.stdout.contains("Deny"), "{}", out.stdout);

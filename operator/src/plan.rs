@@ -13,10 +13,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference,
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
 use ramify_crds::{
-    BranchPhase, BranchRef, BranchSet, BranchSetPhase, BranchSetStatus, BranchSource, BranchStatus,
-    CommitStatus, Condition, ConditionStatus, ConditionsExt, LABEL_BRANCH, LABEL_BRANCHSET, Policy,
-    RestoreFrom, Sandbox, SandboxPhase, SandboxSpec, Snapshot, SnapshotMode, SnapshotPhase,
-    SnapshotSource, SnapshotSpec, VerdictValue, WarmPool,
+    ANNOTATION_ABORT, BranchPhase, BranchRef, BranchSet, BranchSetPhase, BranchSetStatus,
+    BranchSource, BranchStatus, CommitStatus, Condition, ConditionStatus, ConditionsExt,
+    LABEL_BRANCH, LABEL_BRANCHSET, Policy, RestoreFrom, Sandbox, SandboxPhase, SandboxSpec,
+    Snapshot, SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec, VerdictValue, WarmPool,
 };
 
 /// Condition types of a BranchSet.
@@ -384,6 +384,17 @@ pub fn plan(obs: &Observed<'_>) -> Plan {
     }
     let Some(winner) = p.status.winner.clone() else {
         let deadline = deadline_from(&p.status.started_at);
+        let aborted = bs
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_ABORT))
+            .is_some_and(|v| v == "true");
+        if aborted {
+            exhaust(&mut p, "aborted by the user".into(), generation, now);
+            finish_cleanup(obs, &names, &by_branch, &mut p);
+            return p;
+        }
         let all_ended = p
             .status
             .branches
@@ -1082,6 +1093,17 @@ mod tests {
                 .message
                 .contains("no branch committed within 100s")
         );
+    }
+
+    #[test]
+    fn the_abort_annotation_ends_the_set_without_a_winner() {
+        let mut bs = three();
+        bs.metadata.annotations = Some([(ANNOTATION_ABORT.to_string(), "true".to_string())].into());
+        let branches = [branch("a", SandboxPhase::Running, None)];
+        let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 5);
+        assert_eq!(p.status.phase, BranchSetPhase::Exhausted);
+        assert!(p.status.winner.is_none());
+        assert_eq!(p.delete_branches, ["bs-a"]);
     }
 
     #[test]

@@ -41,7 +41,11 @@ pub fn render(registry: &Registry) -> String {
 }
 
 /// Serves until the process ends.
-pub async fn serve(addr: SocketAddr, registry: Arc<Registry>, health: Health) -> std::io::Result<()> {
+pub async fn serve(
+    addr: SocketAddr,
+    registry: Arc<Registry>,
+    health: Health,
+) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(|| async { "ok" }))

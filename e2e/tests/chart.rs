@@ -1,0 +1,764 @@
+//! The Helm chart (`charts/ramify`) and the kustomize bases (`config/`) against the
+//! real helm (built from the Go module proxy by `hack/helm/build.sh`) and the real
+//! kube-apiserver: strict lint, the values schema, every rendered object accepted by a
+//! server-side dry run, a real install whose ServiceAccounts hold exactly the
+//! permissions the components need (checked with the API server's own authorizer), and
+//! the copies of the generated CRDs kept identical to `crds/yaml`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use ramify_e2e::{ControlPlane, KubectlOutput, TestNamespace, install_crds, repo_root};
+use serde::Deserialize;
+use serde_json::Value;
+
+const CHART: &str = "charts/ramify";
+const GENERATED_CRDS: &str = "crds/yaml/ramify.dev.yaml";
+
+/// helm, built (or found in the cache) by `hack/helm/build.sh`. These tests need it:
+/// when it cannot be built they fail, they never skip.
+fn helm_bin() -> &'static Path {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| {
+        let out = Command::new(repo_root().join("hack/helm/build.sh"))
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("running hack/helm/build.sh");
+        assert!(
+            out.status.success(),
+            "hack/helm/build.sh failed (its output is above); the chart tests need helm"
+        );
+        let path = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+        assert!(
+            path.is_file(),
+            "hack/helm/build.sh printed {}, which is not a file",
+            path.display()
+        );
+        path
+    })
+}
+
+/// Runs helm in the repository root with `args`; `kubeconfig` for commands that talk to
+/// a cluster. helm's own config/cache/data directories are kept out of $HOME.
+fn helm(args: &[&str], kubeconfig: Option<&Path>) -> KubectlOutput {
+    let home = std::env::temp_dir().join("ramify-e2e-helm");
+    let mut cmd = Command::new(helm_bin());
+    cmd.current_dir(repo_root())
+        .args(args)
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_DATA_HOME", home.join("data"))
+        .stdin(Stdio::null());
+    match kubeconfig {
+        Some(k) => cmd.env("KUBECONFIG", k),
+        // No cluster: make sure nothing is read from the environment's kubeconfig.
+        None => cmd.env("KUBECONFIG", "/dev/null"),
+    };
+    let out = cmd.output().expect("running helm");
+    KubectlOutput {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `helm template` of the chart; panics with helm's error if it fails.
+fn template(release: &str, namespace: &str, extra: &[&str]) -> String {
+    let mut args = vec!["template", release, CHART, "--namespace", namespace];
+    args.extend_from_slice(extra);
+    let out = helm(&args, None);
+    assert!(
+        out.success,
+        "helm {} failed:\n{}",
+        args.join(" "),
+        out.stderr
+    );
+    out.stdout
+}
+
+/// The objects of a multi-document YAML stream (empty documents dropped).
+fn objects(yaml: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(yaml)
+        .map(|doc| Value::deserialize(doc).expect("valid YAML"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objs.iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} rendered"))
+}
+
+fn strings(v: &Value) -> Vec<&str> {
+    v.as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+async fn control_plane() -> ControlPlane {
+    let cp = ControlPlane::ensure().expect("control plane");
+    let client = cp.client().await.expect("client");
+    install_crds(&client)
+        .await
+        .expect("CRDs installed and Established");
+    cp
+}
+
+fn kubectl_ok(cp: &ControlPlane, args: &[&str], stdin: Option<&str>) -> KubectlOutput {
+    let out = cp.kubectl_run(args, stdin).expect("running kubectl");
+    assert!(
+        out.success,
+        "kubectl {} failed:\n{}",
+        args.join(" "),
+        out.stderr
+    );
+    out
+}
+
+/// `helm lint --strict` turns every warning into a failure.
+#[test]
+fn lint_is_clean_in_strict_mode() {
+    for extra in [&[][..], &["--set", "serviceMonitor.enabled=true"][..]] {
+        let mut args = vec!["lint", "--strict", CHART];
+        args.extend_from_slice(extra);
+        let out = helm(&args, None);
+        assert!(
+            out.success && out.stdout.contains("0 chart(s) failed"),
+            "helm {} failed:\n{}{}",
+            args.join(" "),
+            out.stdout,
+            out.stderr
+        );
+    }
+}
+
+/// The chart refuses clusters older than its CRDs need (selectableFields: 1.31).
+#[test]
+fn refuses_kubernetes_older_than_1_31() {
+    let out = helm(&["template", "r", CHART, "--kube-version", "1.30.4"], None);
+    assert!(
+        !out.success
+            && out
+                .stderr
+                .contains("chart requires kubeVersion: >=1.31.0-0"),
+        "{}",
+        out.stderr
+    );
+    let out = helm(&["template", "r", CHART, "--kube-version", "1.31.0"], None);
+    assert!(out.success, "{}", out.stderr);
+}
+
+/// values.schema.json rejects wrong values before anything is rendered, naming the key.
+#[test]
+fn schema_rejects_bad_values_with_the_key_named() {
+    for (set, want) in [
+        (
+            "operator.replicas=-1",
+            "at '/operator/replicas': minimum: got -1, want 0",
+        ),
+        (
+            "operator.replica=2",
+            "at '/operator': additional properties 'replica' not allowed",
+        ),
+        (
+            "agent.platform=firecracker",
+            "at '/agent/platform': value must be one of 'systrap', 'ptrace', 'kvm'",
+        ),
+        ("agent.stateDir=var/lib/ramify", "at '/agent/stateDir'"),
+        (
+            "agent.image.pullPolicy=Sometimes",
+            "at '/agent/image/pullPolicy'",
+        ),
+        (
+            "networkPolicy.enabled=maybe",
+            "at '/networkPolicy/enabled': got string, want boolean",
+        ),
+        (
+            "serviceMonitor.interval=soon",
+            "at '/serviceMonitor/interval'",
+        ),
+    ] {
+        let out = helm(&["template", "r", CHART, "--set", set], None);
+        assert!(!out.success, "--set {set} was accepted");
+        assert!(
+            out.stderr
+                .contains("values don't meet the specifications of the schema")
+                && out.stderr.contains(want),
+            "--set {set}: expected a schema error containing {want:?}, got:\n{}",
+            out.stderr
+        );
+    }
+}
+
+/// The chart and config/crd carry copies of the generated CRDs (helm and kustomize read
+/// only files inside their root); they must not drift from crds/yaml.
+#[test]
+fn crd_copies_match_the_generated_yaml() {
+    let root = repo_root();
+    let generated = std::fs::read_to_string(root.join(GENERATED_CRDS)).unwrap();
+    for copy in [
+        "charts/ramify/crds/ramify.dev.yaml",
+        "config/crd/ramify.dev.yaml",
+    ] {
+        let text =
+            std::fs::read_to_string(root.join(copy)).unwrap_or_else(|e| panic!("{copy}: {e}"));
+        assert!(
+            text == generated,
+            "{copy} differs from {GENERATED_CRDS}: run `make crds` (it refreshes both copies)"
+        );
+    }
+}
+
+/// The rendered defaults say what the README promises.
+#[test]
+fn defaults_render_the_documented_deployment() {
+    let objs = objects(&template("ramify", "ramify-system", &[]));
+
+    let op = find(&objs, "Deployment", "ramify-operator");
+    assert_eq!(op["spec"]["replicas"], 2);
+    let pod = &op["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let args = strings(&c["args"]);
+    for want in [
+        "--metrics-addr=0.0.0.0:8080",
+        "--system-namespace=ramify-system",
+        "--leader-elect",
+        "--log-json",
+    ] {
+        assert!(args.contains(&want), "operator args lack {want}: {args:?}");
+    }
+    assert_eq!(c["env"][0]["name"], "POD_NAME");
+    assert_eq!(
+        c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.name"
+    );
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["image"], "ghcr.io/ramify-dev/operator:0.1.0");
+    let sc = &c["securityContext"];
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["capabilities"]["drop"][0], "ALL");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(
+        pod["securityContext"]["seccompProfile"]["type"],
+        "RuntimeDefault"
+    );
+    assert!(c["resources"]["requests"].is_object());
+
+    let ds = find(&objs, "DaemonSet", "ramify-node-agent");
+    let pod = &ds["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let args = strings(&c["args"]);
+    for want in [
+        "--node-name=$(NODE_NAME)",
+        "--system-namespace=ramify-system",
+        "--state-dir=/var/lib/ramify",
+        "--metrics-addr=0.0.0.0:8081",
+        "--platform=systrap",
+        "--mode=cluster",
+    ] {
+        assert!(args.contains(&want), "agent args lack {want}: {args:?}");
+    }
+    assert_eq!(
+        c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
+        "spec.nodeName"
+    );
+    assert_eq!(c["image"], "ghcr.io/ramify-dev/node-agent:0.1.0");
+    assert_eq!(c["securityContext"]["privileged"], true);
+    assert_eq!(pod["hostPID"], true);
+    assert!(
+        pod["hostNetwork"].is_null(),
+        "the agent needs no host network"
+    );
+    let netns = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == "/run/netns")
+        .expect("/run/netns mounted");
+    assert_eq!(netns["mountPropagation"], "Bidirectional");
+    let host_paths: Vec<&str> = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["hostPath"]["path"].as_str())
+        .collect();
+    assert_eq!(
+        host_paths,
+        ["/var/lib/ramify", "/run/netns", "/sys/fs/cgroup"]
+    );
+
+    // Separate identities; tokens mounted only by the two pods that use the API.
+    for sa in ["ramify-operator", "ramify-node-agent"] {
+        assert_eq!(
+            find(&objs, "ServiceAccount", sa)["automountServiceAccountToken"],
+            false
+        );
+    }
+    assert_eq!(
+        op["spec"]["template"]["spec"]["serviceAccountName"],
+        "ramify-operator"
+    );
+    assert_eq!(pod["serviceAccountName"], "ramify-node-agent");
+
+    // Nothing sensitive is granted, nor wildcards.
+    for o in objs
+        .iter()
+        .filter(|o| o["kind"] == "Role" || o["kind"] == "ClusterRole")
+    {
+        for rule in o["rules"].as_array().unwrap() {
+            for field in ["apiGroups", "resources", "verbs"] {
+                let list = strings(&rule[field]);
+                assert!(
+                    !list.contains(&"*"),
+                    "wildcard in {}: {rule}",
+                    o["metadata"]
+                );
+            }
+            let resources = strings(&rule["resources"]);
+            for forbidden in ["secrets", "pods", "pods/exec", "nodes", "configmaps"] {
+                assert!(
+                    !resources.contains(&forbidden),
+                    "{} grants {forbidden}",
+                    o["metadata"]["name"]
+                );
+            }
+        }
+    }
+
+    // Metrics: two Services, two NetworkPolicies on the metrics port, no ServiceMonitor.
+    for (name, port) in [
+        ("ramify-operator-metrics", 8080),
+        ("ramify-node-agent-metrics", 8081),
+    ] {
+        assert_eq!(
+            find(&objs, "Service", name)["spec"]["ports"][0]["port"],
+            port
+        );
+    }
+    for name in ["ramify-operator", "ramify-node-agent"] {
+        let np = find(&objs, "NetworkPolicy", name);
+        assert_eq!(np["spec"]["policyTypes"][0], "Ingress");
+        assert_eq!(np["spec"]["ingress"][0]["ports"][0]["port"], "metrics");
+    }
+    assert!(!objs.iter().any(|o| o["kind"] == "ServiceMonitor"));
+    find(&objs, "PodDisruptionBudget", "ramify-operator");
+}
+
+/// `serviceMonitor.enabled=true` adds one ServiceMonitor over both metrics Services (the
+/// monitoring.coreos.com CRD is not on the test control plane, so this is checked on
+/// the rendered output only).
+#[test]
+fn service_monitor_renders_when_enabled() {
+    let objs = objects(&template(
+        "ramify",
+        "ramify-system",
+        &[
+            "--set",
+            "serviceMonitor.enabled=true",
+            "--set",
+            "serviceMonitor.labels.release=prometheus",
+        ],
+    ));
+    let monitors: Vec<&Value> = objs
+        .iter()
+        .filter(|o| o["kind"] == "ServiceMonitor")
+        .collect();
+    assert_eq!(monitors.len(), 1);
+    let sm = monitors[0];
+    assert_eq!(sm["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(sm["metadata"]["labels"]["release"], "prometheus");
+    assert_eq!(sm["spec"]["endpoints"][0]["port"], "metrics");
+    assert_eq!(sm["spec"]["endpoints"][0]["interval"], "30s");
+    // Its selector picks exactly the two metrics Services.
+    let expr = &sm["spec"]["selector"]["matchExpressions"][0];
+    let components = strings(&expr["values"]);
+    let selected: Vec<&str> = objs
+        .iter()
+        .filter(|o| o["kind"] == "Service")
+        .filter(|o| {
+            let labels = &o["metadata"]["labels"];
+            sm["spec"]["selector"]["matchLabels"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .all(|(k, v)| &labels[k] == v)
+                && labels[expr["key"].as_str().unwrap()]
+                    .as_str()
+                    .is_some_and(|c| components.contains(&c))
+        })
+        .filter_map(|o| o["metadata"]["name"].as_str())
+        .collect();
+    assert_eq!(
+        selected,
+        ["ramify-node-agent-metrics", "ramify-operator-metrics"]
+    );
+}
+
+/// Every object the chart renders (CRDs included), with the defaults and with the other
+/// switches flipped, is accepted by the real kube-apiserver (server-side dry run: schema,
+/// defaulting, validation and admission, nothing persisted).
+#[tokio::test]
+async fn rendered_chart_is_accepted_by_the_apiserver() {
+    let cp = control_plane().await;
+    let client = cp.client().await.unwrap();
+    let ns = TestNamespace::create(&client, "chart").await.unwrap();
+    let variants: [&[&str]; 3] = [
+        &[],
+        // Every other value set.
+        &[
+            "--set",
+            "operator.replicas=1",
+            "--set",
+            "operator.logJson=false",
+            "--set",
+            "operator.image.tag=dev",
+            "--set-json",
+            r#"operator.affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":[{"key":"node-role.kubernetes.io/control-plane","operator":"DoesNotExist"}]}]}}}"#,
+            "--set",
+            "operator.podAnnotations.example\\.com/team=platform",
+            "--set-json",
+            r#"networkPolicy.metricsFrom=[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#,
+            "--set",
+            "agent.platform=kvm",
+            "--set",
+            "agent.stateDir=/srv/ramify",
+            "--set",
+            "agent.priorityClassName=system-node-critical",
+            "--set-json",
+            r#"agent.nodeSelector={"ramify.dev/sandbox-node":"true"}"#,
+            "--set-json",
+            r#"agent.tolerations=[{"key":"ramify.dev/sandbox-node","operator":"Exists","effect":"NoSchedule"}]"#,
+            "--set-json",
+            r#"imagePullSecrets=[{"name":"regcred"}]"#,
+            "--set",
+            "fullnameOverride=sbx",
+        ],
+        // The optional objects off.
+        &[
+            "--set",
+            "networkPolicy.enabled=false",
+            "--set",
+            "serviceMonitor.enabled=false",
+        ],
+    ];
+    for (i, extra) in variants.iter().enumerate() {
+        let mut args = vec!["--include-crds"];
+        args.extend_from_slice(extra);
+        let rendered = template("ramify", &ns.name, &args);
+        let objs = objects(&rendered);
+        assert!(objs.len() >= 16, "variant {i}: only {} objects", objs.len());
+        let out = kubectl_ok(
+            &cp,
+            &[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--dry-run=server",
+                "-f",
+                "-",
+            ],
+            Some(&rendered),
+        );
+        let accepted = out
+            .stdout
+            .lines()
+            .filter(|l| l.ends_with("serverside-applied (server dry run)"))
+            .count();
+        assert_eq!(
+            accepted,
+            objs.len(),
+            "variant {i}: not every object was accepted:\n{}",
+            out.stdout
+        );
+    }
+    ns.delete().await.unwrap();
+}
+
+/// The operator's pod meets the "restricted" Pod Security Standard (checked by the API
+/// server's PodSecurity admission); the agent is, by necessity, "privileged".
+#[tokio::test]
+async fn operator_meets_the_restricted_pod_security_standard() {
+    let cp = control_plane().await;
+    let client = cp.client().await.unwrap();
+    let ns = TestNamespace::create(&client, "chart-psa").await.unwrap();
+    kubectl_ok(
+        &cp,
+        &[
+            "label",
+            "namespace",
+            &ns.name,
+            "pod-security.kubernetes.io/warn=restricted",
+        ],
+        None,
+    );
+    let apply = |show_only: &str| {
+        let rendered = template("ramify", &ns.name, &["--show-only", show_only]);
+        kubectl_ok(
+            &cp,
+            &["apply", "--server-side", "--dry-run=server", "-f", "-"],
+            Some(&rendered),
+        )
+    };
+    let out = apply("templates/operator-deployment.yaml");
+    assert!(
+        !out.stderr.contains("would violate PodSecurity"),
+        "the operator is not 'restricted':\n{}",
+        out.stderr
+    );
+    let out = apply("templates/agent-daemonset.yaml");
+    assert!(
+        out.stderr.contains("would violate PodSecurity"),
+        "expected the privileged agent to be flagged (is the warn label honoured?):\n{}",
+        out.stderr
+    );
+    ns.delete().await.unwrap();
+}
+
+/// What a ServiceAccount may do, asked of the API server's authorizer. `resource` may
+/// name a subresource ("sandboxes.ramify.dev/status"): for `kubectl auth can-i` the
+/// part after a slash is an object name, so it goes to `--subresource`.
+fn can_i(cp: &ControlPlane, sa: &str, verb: &str, resource: &str, scope: &[&str]) -> bool {
+    let (resource, sub) = resource.split_once('/').unwrap_or((resource, ""));
+    let mut args = vec!["auth", "can-i", verb, resource, "--as", sa];
+    if !sub.is_empty() {
+        args.extend(["--subresource", sub]);
+    }
+    args.extend_from_slice(scope);
+    let out = cp.kubectl_run(&args, None).expect("running kubectl");
+    match out.stdout.trim() {
+        "yes" => true,
+        "no" => false,
+        _ => panic!("kubectl {}: {}{}", args.join(" "), out.stdout, out.stderr),
+    }
+}
+
+/// Uninstalls a release on drop (ignoring errors): the cleanup of a failed test.
+struct Uninstall {
+    release: String,
+    namespace: String,
+    kubeconfig: PathBuf,
+}
+
+impl Drop for Uninstall {
+    fn drop(&mut self) {
+        let args = [
+            "uninstall",
+            &self.release,
+            "-n",
+            &self.namespace,
+            "--ignore-not-found",
+        ];
+        let _ = helm(&args, Some(&self.kubeconfig));
+    }
+}
+
+/// A real `helm install`: the release installs, its ServiceAccounts can do exactly what
+/// the operator and the agent need and nothing sensitive, and `helm uninstall` removes
+/// the cluster-wide objects too.
+#[tokio::test]
+async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
+    let cp = control_plane().await;
+    let client = cp.client().await.unwrap();
+    let ns = TestNamespace::create(&client, "chart-rbac").await.unwrap();
+    let release = format!("r{}", &ns.name[ns.name.len() - 8..]);
+    let kc = Some(cp.kubeconfig.as_path());
+    let out = helm(&["install", &release, CHART, "-n", &ns.name], kc);
+    assert!(out.success, "helm install failed:\n{}", out.stderr);
+    // A failed assertion below must not leave the release's ClusterRoles behind.
+    let _cleanup = Uninstall {
+        release: release.clone(),
+        namespace: ns.name.clone(),
+        kubeconfig: cp.kubeconfig.clone(),
+    };
+
+    let op = format!(
+        "system:serviceaccount:{}:{release}-ramify-operator",
+        ns.name
+    );
+    let agent = format!(
+        "system:serviceaccount:{}:{release}-ramify-node-agent",
+        ns.name
+    );
+    let all: &[&str] = &["--all-namespaces"];
+    let here: &[&str] = &["-n", &ns.name];
+    let other: &[&str] = &["-n", "default"];
+    #[rustfmt::skip]
+    let cases: &[(&str, &str, &str, &[&str], bool)] = &[
+        // The operator: all three kinds everywhere, their status, events.
+        (&op, "create", "sandboxes.ramify.dev", all, true),
+        (&op, "delete", "snapshots.ramify.dev", all, true),
+        (&op, "watch", "branchsets.ramify.dev", all, true),
+        (&op, "patch", "branchsets.ramify.dev/status", all, true),
+        (&op, "update", "sandboxes.ramify.dev/status", all, true),
+        (&op, "update", "branchsets.ramify.dev/finalizers", all, true),
+        (&op, "create", "events.events.k8s.io", all, true),
+        // ... Leases only in the release namespace.
+        (&op, "create", "leases.coordination.k8s.io", here, true),
+        (&op, "watch", "leases.coordination.k8s.io", here, true),
+        (&op, "update", "leases.coordination.k8s.io", other, false),
+        (&op, "delete", "leases.coordination.k8s.io", here, false),
+        // The agent: reads, patches (finalizer) and reports status; never creates.
+        (&agent, "watch", "sandboxes.ramify.dev", all, true),
+        (&agent, "patch", "snapshots.ramify.dev", all, true),
+        (&agent, "patch", "sandboxes.ramify.dev/status", all, true),
+        (&agent, "update", "snapshots.ramify.dev/status", all, true),
+        (&agent, "get", "branchsets.ramify.dev", all, true),
+        (&agent, "create", "events.events.k8s.io", all, true),
+        (&agent, "create", "sandboxes.ramify.dev", all, false),
+        (&agent, "delete", "snapshots.ramify.dev", all, false),
+        (&agent, "patch", "branchsets.ramify.dev", all, false),
+        (&agent, "patch", "branchsets.ramify.dev/status", all, false),
+        (&agent, "update", "leases.coordination.k8s.io", here, true),
+        (&agent, "list", "leases.coordination.k8s.io", here, false),
+        (&agent, "create", "leases.coordination.k8s.io", other, false),
+    ];
+    for (sa, verb, resource, scope, want) in cases {
+        assert_eq!(
+            can_i(&cp, sa, verb, resource, scope),
+            *want,
+            "{sa} {verb} {resource} {scope:?}"
+        );
+    }
+    // Neither holds anything sensitive, anywhere.
+    for sa in [&op, &agent] {
+        for (verb, resource) in [
+            ("get", "secrets"),
+            ("list", "secrets"),
+            ("create", "pods/exec"),
+            ("create", "pods"),
+            ("patch", "nodes"),
+            ("create", "serviceaccounts/token"),
+            ("impersonate", "serviceaccounts"),
+            ("bind", "clusterroles.rbac.authorization.k8s.io"),
+            ("escalate", "roles.rbac.authorization.k8s.io"),
+            ("update", "customresourcedefinitions.apiextensions.k8s.io"),
+            ("delete", "namespaces"),
+        ] {
+            for scope in [all, here] {
+                assert!(
+                    !can_i(&cp, sa, verb, resource, scope),
+                    "{sa} may {verb} {resource} {scope:?}"
+                );
+            }
+        }
+    }
+
+    let out = helm(&["uninstall", &release, "-n", &ns.name, "--wait"], kc);
+    assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let left = kubectl_ok(
+        &cp,
+        &[
+            "get",
+            "clusterroles,clusterrolebindings",
+            "-l",
+            &selector,
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    assert!(
+        left.stdout.trim().is_empty(),
+        "left behind: {}",
+        left.stdout
+    );
+    ns.delete().await.unwrap();
+}
+
+/// `kubectl apply -k config/default` (CRDs, namespace, ServiceAccounts, RBAC) is
+/// accepted by the API server, client-side and server-side.
+#[tokio::test]
+async fn kustomize_default_is_accepted() {
+    let cp = control_plane().await;
+    // The namespaced objects of a dry run need their namespace to exist (a dry-run
+    // Namespace is not persisted). The operator tests use ramify-system too: created
+    // idempotently, never deleted.
+    let ns = kubectl_ok(
+        &cp,
+        &[
+            "create",
+            "namespace",
+            "ramify-system",
+            "--dry-run=client",
+            "-o",
+            "yaml",
+        ],
+        None,
+    );
+    kubectl_ok(&cp, &["apply", "-f", "-"], Some(&ns.stdout));
+    // kubectl runs in the test's working directory (e2e/): absolute paths.
+    let dir = repo_root().join("config/default");
+    let dir = dir.to_str().unwrap();
+    let count = objects(&kubectl_ok(&cp, &["kustomize", dir], None).stdout).len();
+    for mode in [
+        &["--dry-run=server"][..],
+        &["--server-side", "--force-conflicts", "--dry-run=server"][..],
+    ] {
+        let mut args = vec!["apply", "-k", dir];
+        args.extend_from_slice(mode);
+        let out = kubectl_ok(&cp, &args, None);
+        let accepted = out
+            .stdout
+            .lines()
+            .filter(|l| l.ends_with("(server dry run)"))
+            .count();
+        assert_eq!(
+            accepted, count,
+            "{mode:?}: not every object was accepted:\n{}",
+            out.stdout
+        );
+    }
+}
+
+/// config/rbac holds the same ServiceAccounts, roles and bindings as the chart renders
+/// for release "ramify" in ramify-system (labels aside).
+#[tokio::test]
+async fn kustomize_rbac_matches_the_chart() {
+    let cp = control_plane().await;
+    let essence = |objs: Vec<Value>| -> BTreeMap<String, Value> {
+        objs.into_iter()
+            .filter(|o| {
+                [
+                    "ServiceAccount",
+                    "Role",
+                    "ClusterRole",
+                    "RoleBinding",
+                    "ClusterRoleBinding",
+                ]
+                .contains(&o["kind"].as_str().unwrap_or_default())
+            })
+            .map(|mut o| {
+                let key = format!(
+                    "{} {}/{}",
+                    o["kind"].as_str().unwrap(),
+                    o["metadata"]["namespace"].as_str().unwrap_or(""),
+                    o["metadata"]["name"].as_str().unwrap()
+                );
+                o.as_object_mut().unwrap().remove("metadata");
+                (key, o)
+            })
+            .collect()
+    };
+    let chart = essence(objects(&template("ramify", "ramify-system", &[])));
+    let dir = repo_root().join("config/default");
+    let out = kubectl_ok(&cp, &["kustomize", dir.to_str().unwrap()], None);
+    let config = essence(objects(&out.stdout));
+    assert_eq!(
+        chart.keys().collect::<Vec<_>>(),
+        config.keys().collect::<Vec<_>>()
+    );
+    for (key, c) in &chart {
+        assert_eq!(
+            c, &config[key],
+            "{key} differs between the chart and config/rbac"
+        );
+    }
+}
