@@ -1,28 +1,91 @@
 #!/usr/bin/env bash
-# The embedded default: a local control plane with the ramify API installed and the
-# samples applied. `hack/demo.sh down` stops it and removes its state.
-#
-# Stage note: the operator and node agent are not wired into this command yet, so the
-# samples are accepted and validated by the API server but nothing forks them.
+# The embedded default: a local control plane, the ramify operator and one node agent
+# (standalone mode, real runsc), then a live sandbox forked three ways and the winner
+# committed. `hack/demo.sh down` stops everything and removes its state.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
+state="$repo/.ramify/demo"
 export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$repo/.ramify/controlplane}"
-if [[ "${1:-}" == "down" ]]; then hack/controlplane/down.sh; exit 0; fi
+node="$(hostname)"
+agent_state="/var/lib/ramify/demo-agent"
+rootfs="/var/lib/ramify/rootfs/busybox"
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
-echo "==> building the control plane (first run: about 10 minutes on 2 cores; cached afterwards)"
+stop_pid() {
+  local f="$state/$1.pid"
+  [[ -f "$f" ]] || return 0
+  local pid; pid="$(cat "$f")"
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null || true
+  rm -f "$f"
+}
+
+if [[ "${1:-}" == "down" ]]; then
+  if [[ -f "$RAMIFY_CP_DIR/env" ]]; then
+    # shellcheck disable=SC1091
+    source "$RAMIFY_CP_DIR/env"
+    say "deleting ramify objects (the node agent removes their sandboxes)"
+    kubectl delete branchsets,snapshots,sandboxes --all --all-namespaces --wait=true --timeout=60s >/dev/null 2>&1 || true
+  fi
+  stop_pid operator
+  stop_pid node-agent
+  if [[ -x target/debug/ramify-node-agent ]]; then
+    target/debug/ramify-node-agent cleanup --state-dir "$agent_state" || true
+  fi
+  hack/controlplane/down.sh
+  rm -rf "$state" "$agent_state"
+  say "stopped; nothing left running"
+  exit 0
+fi
+
+if [[ $EUID -ne 0 ]]; then echo "the demo runs gVisor sandboxes and network namespaces: run it as root" >&2; exit 1; fi
+say "installing dependencies (Debian packages, control plane from the Go module proxy; cached after the first run)"
+hack/install-deps.sh
+say "building ramify (cargo build) and a current runsc (Go module proxy, cached)"
+cargo build --bins -q
+runsc_bin="$(hack/runsc/build.sh)"
+mkdir -p "$state"
+say "starting the control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler)"
 hack/controlplane/up.sh >/dev/null
 # shellcheck disable=SC1091
 source "$RAMIFY_CP_DIR/env"
-echo "==> installing the ramify CRDs"
 kubectl apply --server-side --field-manager ramify-demo -f crds/yaml/ramify.dev.yaml >/dev/null
 kubectl wait --for condition=Established crd/sandboxes.ramify.dev crd/snapshots.ramify.dev crd/branchsets.ramify.dev --timeout=60s >/dev/null
-echo "==> applying config/samples"
-kubectl apply -f config/samples/
+kubectl create namespace ramify-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+
+say "preparing a busybox root file system at $rootfs"
+target/debug/ramify-node-agent rootfs --out "$rootfs" >/dev/null
+
+say "starting the operator and the node agent ($node)"
+stop_pid operator; stop_pid node-agent
+setsid target/debug/ramify-operator --metrics-addr 127.0.0.1:18080 >"$state/operator.log" 2>&1 </dev/null &
+echo $! >"$state/operator.pid"
+setsid target/debug/ramify-node-agent --runsc "$runsc_bin" run --node-name "$node" --state-dir "$agent_state" \
+  --metrics-addr 127.0.0.1:18081 >"$state/node-agent.log" 2>&1 </dev/null &
+echo $! >"$state/node-agent.pid"
+
+say "a live workspace: counting in memory, config on disk (config/samples/sandbox.yaml)"
+kubectl delete branchset try-fixes --ignore-not-found --wait=true >/dev/null
+kubectl apply -f config/samples/sandbox.yaml >/dev/null
+kubectl wait sandbox/workspace --for=jsonpath='{.status.phase}'=Running --timeout=120s >/dev/null
+exec_in() { target/debug/ramify-node-agent --runsc "$runsc_bin" exec --state-dir "$agent_state" "default/$1" -- "${@:2}"; }
+echo "   /work/app.conf: $(exec_in workspace cat /work/app.conf)   counter: $(exec_in workspace cat /work/counter)"
+
+say "forking it three ways (config/samples/branchset.yaml): the first branch whose check passes wins"
+kubectl apply -f config/samples/branchset.yaml >/dev/null
+kubectl wait branchset/try-fixes --for=jsonpath='{.status.phase}'=Committed --timeout=180s >/dev/null || {
+  kubectl get branchset try-fixes -o yaml; tail -n 30 "$state/node-agent.log"; exit 1; }
+kubectl get snapshot try-fixes-base -o custom-columns='SNAPSHOT:.metadata.name,SIZE:.status.sizeBytes,CAPTURE-MS:.status.captureMillis,SOURCE-PAUSE-MS:.status.sourcePauseMillis,RUNSC:.status.runscVersion'
 echo
-kubectl get sandboxes,snapshots,branchsets
+printf 'BRANCH\tPHASE\tVERDICT\tFORK-MS\tRUN-MS\tWHY\n'
+kubectl get branchset try-fixes -o jsonpath='{range .status.branches[*]}{.name}{"\t"}{.phase}{"\t"}{.verdict}{"\t"}{.forkMillis}{"\t"}{.runMillis}{"\t"}{.reason}{"\n"}{end}'
 echo
-echo "The API is live. Explore it with:"
-echo "  export KUBECONFIG=$RAMIFY_CP_DIR/kubeconfig PATH=$(dirname "$(command -v kubectl)"):\$PATH"
-echo "  kubectl explain branchset.spec"
-echo "Stop everything with: make down"
+winner="$(kubectl get branchset try-fixes -o jsonpath='{.status.winner}')"
+say "winner: $winner — committed into workspace; the other branches are gone"
+echo "   /work/app.conf: $(exec_in workspace cat /work/app.conf)   counter: $(exec_in workspace cat /work/counter) (still counting: the winner's live process is the workspace now)"
+echo
+echo "Explore:   export KUBECONFIG=$RAMIFY_CP_DIR/kubeconfig PATH=$(dirname "$(command -v kubectl)"):\$PATH"
+echo "           kubectl get sandboxes,snapshots,branchsets; kubectl describe branchset try-fixes"
+echo "Stop:      make down"

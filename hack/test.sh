@@ -24,8 +24,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "CRD YAML matches the Rust types"
 cargo run -q --locked -p ramify-crds --bin crdgen -- --check crds/yaml
 
-step "helm (built from the Go module proxy, cached)"
+step "helm and a current runsc (built from the Go module proxy, cached)"
 hack/helm/build.sh >/dev/null
+current_runsc="$(hack/runsc/build.sh)"
 
 step "control plane (etcd + kube-apiserver + kube-controller-manager + kube-scheduler)"
 trap 'hack/controlplane/down.sh || true' EXIT
@@ -34,5 +35,8 @@ hack/controlplane/up.sh >/dev/null
 step "cargo build --bins (the end-to-end tests run the real binaries)"
 cargo build --workspace --bins --locked
 
-step "cargo test --workspace"
+step "cargo test --workspace (node agent on Debian's runsc: $(runsc --version | head -1))"
 cargo test --workspace --locked -- --include-ignored
+
+step "node agent again on the current runsc ($("$current_runsc" --version | head -1))"
+RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --include-ignored

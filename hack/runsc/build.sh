@@ -5,7 +5,10 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 pseudo="$(awk '$1 == "require" && $2 == "gvisor.dev/gvisor" {print $3}' "$here/go.mod")"
-version="ramify-${pseudo#v0.0.0-}"
+# release-YYYYMMDD.0-<commit>: the node agent reads the release date from the version to
+# decide which runsc features to trust (e.g. checkpoint --leave-running from 2024 on).
+stamp="${pseudo#v0.0.0-}"; commit="${stamp#*-}"
+version="release-${stamp:0:8}.0-${commit}"
 cache="${RAMIFY_CACHE:-$HOME/.cache/ramify}"
 out="$cache/runsc-$pseudo"
 if [[ -x "$out/runsc" ]]; then echo "$out/runsc"; exit 0; fi

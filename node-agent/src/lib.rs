@@ -1,1 +1,26 @@
 //! ramify node agent: the only component that touches runsc.
+//!
+//! - [`runsc`]: async driver for the runsc CLI with capability detection.
+//! - [`placement`]: netns, cgroup and egress policy per sandbox ([`placement::Standalone`]).
+//! - [`engine`]: start, exec, snapshot, fork, warm pools, commit (Full/Paths), abort.
+//! - [`control`]: the `/run/ramify` control mount, parsed defensively.
+//! - [`store`]: snapshot images with sha256, version pinning and TTL.
+
+pub mod agent;
+pub mod cgroup;
+pub mod cmd;
+pub mod control;
+pub mod diff;
+pub mod engine;
+pub mod error;
+pub mod placement;
+pub mod rootfs;
+pub mod runsc;
+pub mod spec;
+pub mod store;
+pub mod sweep;
+
+pub use engine::{
+    CommitReport, Engine, EngineConfig, ForkOptions, Sandbox, SnapshotInfo, StartRequest, WarmPool,
+};
+pub use error::{Error, Result};

@@ -84,21 +84,25 @@ where
     }
 }
 
-/// How long the node agent of `node` has been gone (zero while its lease is live;
-/// a very long time when it never announced itself).
+/// How long the node agent of `node` has been gone: zero while its lease is live, and
+/// also when there is no lease at all (an unknown node is never presumed dead, since
+/// releasing its finalizers would orphan whatever it runs; a misconfigured system
+/// namespace must not do that).
 pub async fn node_lost_for(ctx: &Context, node: &str) -> Result<Duration> {
     let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.settings.system_namespace);
     let Some(lease) = api.get_opt(&nodes::lease_name(node)).await? else {
-        return Ok(Duration::MAX);
+        warn!(node, namespace = %ctx.settings.system_namespace, "no lease for node; waiting for its agent");
+        return Ok(Duration::ZERO);
     };
-    let Some(spec) = lease.spec else {
-        return Ok(Duration::MAX);
+    let Some(renew) = lease
+        .spec
+        .and_then(|s| s.renew_time.map(|r| (r, s.lease_duration_seconds)))
+    else {
+        return Ok(Duration::ZERO);
     };
-    let Some(renew) = spec.renew_time else {
-        return Ok(Duration::MAX);
-    };
-    let expiry =
-        renew.0 + SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(15)));
+    let (renew, duration) = renew;
+    let spec_duration = duration;
+    let expiry = renew.0 + SignedDuration::from_secs(i64::from(spec_duration.unwrap_or(15)));
     let now = Timestamp::now();
     Ok(if now > expiry {
         now.duration_since(expiry).try_into().unwrap_or_default()

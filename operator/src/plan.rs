@@ -15,8 +15,9 @@ use kube::Resource;
 use ramify_crds::{
     ANNOTATION_ABORT, BranchPhase, BranchRef, BranchSet, BranchSetPhase, BranchSetStatus,
     BranchSource, BranchStatus, CommitStatus, Condition, ConditionStatus, ConditionsExt,
-    LABEL_BRANCH, LABEL_BRANCHSET, Policy, RestoreFrom, Sandbox, SandboxPhase, SandboxSpec,
-    Snapshot, SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec, VerdictValue, WarmPool,
+    FINALIZER_NODE_CLEANUP, LABEL_BRANCH, LABEL_BRANCHSET, Policy, RestoreFrom, Sandbox,
+    SandboxPhase, SandboxSpec, Snapshot, SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec,
+    VerdictValue, WarmPool,
 };
 
 /// Condition types of a BranchSet.
@@ -647,6 +648,7 @@ fn snapshot_for(bs: &BranchSet, name: &str, source: &str) -> Snapshot {
             .into(),
         ),
         owner_references: owner_ref(bs).map(|o| vec![o]),
+        finalizers: Some(vec![FINALIZER_NODE_CLEANUP.to_string()]),
         ..Default::default()
     };
     snap
@@ -693,6 +695,8 @@ fn branch_sandbox(
             .into(),
         ),
         owner_references: owner_ref(bs).map(|o| vec![o]),
+        // Born with the finalizer: a branch can never run without node-side cleanup.
+        finalizers: Some(vec![FINALIZER_NODE_CLEANUP.to_string()]),
         ..Default::default()
     };
     sbx

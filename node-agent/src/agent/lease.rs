@@ -1,0 +1,70 @@
+//! The agent's heartbeat: a Lease `ramify-node-<node>` in the system namespace, renewed
+//! every few seconds. The operator binds work only to nodes whose lease is live, and
+//! releases finalizers of a node whose lease stayed dead past a grace period.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::json;
+use tracing::warn;
+
+const MANAGER: &str = "ramify-node-agent/lease";
+
+/// What the agent announces about itself.
+#[derive(Clone, Debug)]
+pub struct Announcement {
+    pub namespace: String,
+    pub node: String,
+    pub capacity: u32,
+    pub runsc_version: String,
+    pub duration: Duration,
+}
+
+impl Announcement {
+    pub fn lease_name(&self) -> String {
+        format!("ramify-node-{}", self.node)
+    }
+}
+
+/// Writes (creates or renews) the lease once.
+pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
+    let api: Api<Lease> = Api::namespaced(client.clone(), &a.namespace);
+    let body = json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": a.lease_name(),
+            "labels": {"ramify.dev/component": "node-agent"},
+            "annotations": {
+                "ramify.dev/max-sandboxes": a.capacity.to_string(),
+                "ramify.dev/runsc-version": a.runsc_version,
+            },
+        },
+        "spec": {
+            "holderIdentity": a.node,
+            "leaseDurationSeconds": a.duration.as_secs(),
+            "renewTime": MicroTime(Timestamp::now()),
+        },
+    });
+    api.patch(
+        &a.lease_name(),
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map(|_| ())
+}
+
+/// Renews the lease forever (every third of its duration).
+pub async fn heartbeat(client: Client, a: Announcement) {
+    loop {
+        if let Err(e) = renew(&client, &a).await {
+            warn!(error = %e, "node lease renewal failed");
+        }
+        tokio::time::sleep(a.duration / 3).await;
+    }
+}

@@ -1,0 +1,150 @@
+//! Prometheus metrics of the node agent.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Labels {
+    pub controller: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailureLabels {
+    pub controller: String,
+    pub error: String,
+}
+
+/// Every metric the agent exports.
+#[derive(Clone)]
+pub struct AgentMetrics {
+    pub registry: Arc<Registry>,
+    pub runs: Family<Labels, Counter>,
+    pub failures: Family<FailureLabels, Counter>,
+    pub duration: Family<Labels, Histogram>,
+    pub capture_seconds: Histogram,
+    pub source_pause_seconds: Histogram,
+    pub restore_seconds: Histogram,
+    pub warm_claim_seconds: Histogram,
+    pub commit_seconds: Histogram,
+    pub warm_hits: Counter,
+    pub warm_misses: Counter,
+    pub sandboxes: Gauge,
+    pub snapshot_bytes: Gauge,
+}
+
+impl AgentMetrics {
+    pub fn new(runsc_version: &str) -> Self {
+        let mut r = Registry::with_prefix("ramify_node_agent");
+        let buckets = || exponential_buckets(0.0001, 2.0, 20);
+        let m = Self {
+            registry: Arc::new(Registry::default()),
+            runs: Family::default(),
+            failures: Family::default(),
+            duration: Family::new_with_constructor(move || {
+                Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+            }),
+            capture_seconds: Histogram::new(buckets()),
+            source_pause_seconds: Histogram::new(buckets()),
+            restore_seconds: Histogram::new(buckets()),
+            warm_claim_seconds: Histogram::new(buckets()),
+            commit_seconds: Histogram::new(buckets()),
+            warm_hits: Counter::default(),
+            warm_misses: Counter::default(),
+            sandboxes: Gauge::default(),
+            snapshot_bytes: Gauge::default(),
+        };
+        r.register("reconcile_runs", "Reconciliations run", m.runs.clone());
+        r.register(
+            "reconcile_failures",
+            "Reconciliations that failed, by error category",
+            m.failures.clone(),
+        );
+        r.register(
+            "reconcile_duration_seconds",
+            "Time spent in one reconciliation",
+            m.duration.clone(),
+        );
+        r.register(
+            "snapshot_capture_seconds",
+            "Checkpoint wall time",
+            m.capture_seconds.clone(),
+        );
+        r.register(
+            "snapshot_source_pause_seconds",
+            "How long a snapshot stopped its source",
+            m.source_pause_seconds.clone(),
+        );
+        r.register(
+            "restore_seconds",
+            "Cold restore of a branch from a snapshot",
+            m.restore_seconds.clone(),
+        );
+        r.register(
+            "warm_claim_seconds",
+            "Claim of a pre-restored branch from a warm pool",
+            m.warm_claim_seconds.clone(),
+        );
+        r.register(
+            "commit_seconds",
+            "Applying a commit (Full or Paths) to the parent",
+            m.commit_seconds.clone(),
+        );
+        r.register(
+            "warm_pool_hits",
+            "Branches served from a warm pool",
+            m.warm_hits.clone(),
+        );
+        r.register(
+            "warm_pool_misses",
+            "Branches restored cold because the pool was empty",
+            m.warm_misses.clone(),
+        );
+        r.register(
+            "sandboxes",
+            "Sandboxes running on this node",
+            m.sandboxes.clone(),
+        );
+        r.register(
+            "snapshot_store_bytes",
+            "Bytes of snapshot images on this node",
+            m.snapshot_bytes.clone(),
+        );
+        r.register(
+            "build",
+            "Build information",
+            Info::new(vec![
+                ("version", env!("CARGO_PKG_VERSION").to_string()),
+                ("runsc_version", runsc_version.to_string()),
+            ]),
+        );
+        Self {
+            registry: Arc::new(r),
+            ..m
+        }
+    }
+
+    pub fn reconciled(&self, controller: &str, took: Duration) {
+        let l = Labels {
+            controller: controller.into(),
+        };
+        self.runs.get_or_create(&l).inc();
+        self.duration.get_or_create(&l).observe(took.as_secs_f64());
+    }
+
+    pub fn failed(&self, controller: &str, error: &str) {
+        self.failures
+            .get_or_create(&FailureLabels {
+                controller: controller.into(),
+                error: error.into(),
+            })
+            .inc();
+    }
+}

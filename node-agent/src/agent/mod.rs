@@ -1,0 +1,1444 @@
+//! The node agent's Kubernetes side: it watches the Sandboxes and Snapshots bound to
+//! its node (`status.nodeName`, a selectable field) and the BranchSets that commit into
+//! its sandboxes, does the work with the [`Engine`], and reports through status. It
+//! never talks to the operator directly.
+//!
+//! Crash safety: what the node holds is recorded in the [`registry`] before it is
+//! reported, so a restarted agent resumes where it was: live sandboxes are re-adopted,
+//! images are kept, a commit applied locally is reported instead of applied twice, and
+//! anything the API no longer knows is destroyed (no orphans).
+
+pub mod lease;
+pub mod metrics;
+pub mod registry;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use ramify_crds::{
+    BranchSet, BranchSetPhase, ChangeKind, CommitMode, Condition, ConditionStatus, ConditionsExt,
+    DiffSummary, FINALIZER_NODE_CLEANUP, FileChange, Sandbox as SandboxObj, SandboxPhase,
+    Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
+};
+use serde_json::json;
+use tokio::sync::Mutex as AsyncMutex;
+use tracing::{info, instrument, warn};
+
+use crate::control::Verdict;
+use crate::engine::{Engine, Sandbox, StartRequest, WarmPool};
+use crate::error::{Error, Result};
+use crate::placement::Cidr;
+use crate::rootfs::RootfsSource;
+use crate::spec::{Resources, WorkloadSpec};
+use metrics::AgentMetrics;
+use registry::{Registry, SandboxRecord, SnapshotRecord};
+
+const SANDBOX_MANAGER: &str = "ramify-node-agent/sandbox";
+const BRANCH_MANAGER: &str = "ramify-node-agent/branch";
+const COMMIT_MANAGER: &str = "ramify-node-agent/commit";
+const SNAPSHOT_MANAGER: &str = "ramify-node-agent/snapshot";
+/// At most this many changed files are listed in a status (the count is always exact).
+const MAX_LISTED_FILES: usize = 256;
+
+/// Agent settings.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub node: String,
+    pub system_namespace: String,
+}
+
+type Handle = Arc<AsyncMutex<Option<Sandbox>>>;
+
+/// The running agent.
+pub struct Agent {
+    pub client: Client,
+    pub engine: Engine,
+    pub cfg: AgentConfig,
+    pub registry: Registry,
+    pub metrics: AgentMetrics,
+    recorder: Recorder,
+    /// Live local sandboxes by Sandbox object uid.
+    handles: Mutex<HashMap<String, Handle>>,
+    /// Warm pools by Snapshot object uid.
+    pools: AsyncMutex<HashMap<String, WarmPool>>,
+    /// Branch runs in flight, by Sandbox uid.
+    runners: Mutex<HashSet<String>>,
+    /// Unique per agent process: tells runs this process started from earlier ones.
+    epoch: String,
+}
+
+fn now() -> Time {
+    Time(Timestamp::now())
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Parses a Kubernetes quantity for CPU into millicores ("500m", "2", "1.5").
+pub fn cpu_millis(q: &str) -> Option<u64> {
+    if let Some(m) = q.strip_suffix('m') {
+        return m.parse().ok();
+    }
+    let v: f64 = q.parse().ok()?;
+    (v > 0.0).then(|| (v * 1000.0).round() as u64)
+}
+
+/// Parses a Kubernetes quantity for memory into bytes ("512Mi", "1G", "1048576").
+pub fn memory_bytes(q: &str) -> Option<u64> {
+    const SUFFIXES: [(&str, u64); 12] = [
+        ("Ki", 1 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("Ti", 1 << 40),
+        ("Pi", 1 << 50),
+        ("Ei", 1 << 60),
+        ("k", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+        ("T", 1_000_000_000_000),
+        ("P", 1_000_000_000_000_000),
+        ("E", 1_000_000_000_000_000_000),
+    ];
+    for (suffix, mult) in SUFFIXES {
+        if let Some(n) = q.strip_suffix(suffix) {
+            let v: f64 = n.parse().ok()?;
+            return Some((v * mult as f64) as u64);
+        }
+    }
+    q.parse::<f64>().ok().map(|v| v as u64)
+}
+
+/// The workload of a Sandbox object.
+pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
+    let res = sbx
+        .spec
+        .resources
+        .clone()
+        .unwrap_or(ramify_crds::Resources {
+            cpu: None,
+            memory: None,
+        });
+    WorkloadSpec {
+        args: sbx.spec.command.clone(),
+        env: sbx
+            .spec
+            .env
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone()))
+            .collect(),
+        cwd: sbx.spec.working_dir.clone().unwrap_or_else(|| "/".into()),
+        hostname: sbx.name_any().chars().take(63).collect(),
+        resources: Resources {
+            cpu_millis: res.cpu.as_deref().and_then(cpu_millis),
+            memory_bytes: res.memory.as_deref().and_then(memory_bytes),
+        },
+    }
+}
+
+/// Egress allowlist of a Sandbox object (empty: deny everything).
+pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Cidr>> {
+    match sbx.spec.network.egress {
+        ramify_crds::Egress::Deny => Ok(Vec::new()),
+        ramify_crds::Egress::Allow => sbx
+            .spec
+            .network
+            .allow
+            .iter()
+            .map(|r| r.cidr.parse())
+            .collect(),
+    }
+}
+
+/// `runsc version release-20260527.0` -> `release-20260527.0` (for status).
+pub fn short_version(v: &str) -> &str {
+    v.trim_start_matches("runsc version ").trim()
+}
+
+fn error_category(e: &Error) -> &'static str {
+    match e {
+        Error::Command { .. } | Error::Spawn { .. } | Error::RunscOutput(_) => "runsc",
+        Error::Timeout { .. } => "timeout",
+        Error::Io { .. } => "io",
+        Error::MissingTool(_) => "missing_tool",
+        Error::Unsupported { .. } => "unsupported",
+        Error::Snapshot { .. } => "snapshot",
+        Error::VersionMismatch { .. } => "version_mismatch",
+        Error::CorruptImage { .. } => "corrupt_image",
+        Error::Network(_) => "network",
+        Error::Rootfs(_) => "rootfs",
+        Error::Sandbox { .. } => "sandbox",
+        Error::Invalid(_) => "invalid",
+        Error::Json(_) => "serialization",
+        Error::Join(_) => "task",
+        Error::Kube(_) => "kube_api",
+    }
+}
+
+impl Agent {
+    pub fn new(
+        client: Client,
+        engine: Engine,
+        cfg: AgentConfig,
+        registry: Registry,
+        metrics: AgentMetrics,
+    ) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "ramify-node-agent".into(),
+                instance: Some(cfg.node.clone()),
+            },
+        );
+        Self {
+            client,
+            engine,
+            cfg,
+            registry,
+            metrics,
+            recorder,
+            handles: Mutex::new(HashMap::new()),
+            pools: AsyncMutex::new(HashMap::new()),
+            runners: Mutex::new(HashSet::new()),
+            epoch: uuid::Uuid::new_v4().to_string(),
+        }
+    }
+
+    fn handle(&self, uid: &str) -> Option<Handle> {
+        self.handles.lock().ok()?.get(uid).cloned()
+    }
+
+    fn insert_handle(&self, uid: &str, sb: Sandbox) -> Handle {
+        let h: Handle = Arc::new(AsyncMutex::new(Some(sb)));
+        if let Ok(mut m) = self.handles.lock() {
+            m.insert(uid.to_string(), h.clone());
+            self.metrics
+                .sandboxes
+                .set(i64::try_from(m.len()).unwrap_or(i64::MAX));
+        }
+        h
+    }
+
+    fn take_handle(&self, uid: &str) -> Option<Handle> {
+        let mut m = self.handles.lock().ok()?;
+        let h = m.remove(uid);
+        self.metrics
+            .sandboxes
+            .set(i64::try_from(m.len()).unwrap_or(i64::MAX));
+        h
+    }
+
+    async fn event(
+        &self,
+        obj: &impl Resource<DynamicType = ()>,
+        warning: bool,
+        reason: &str,
+        note: String,
+    ) {
+        let ev = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: "NodeAgent".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &obj.object_ref(&())).await {
+            warn!(error = %e, reason, "could not publish event");
+        }
+    }
+
+    /// Re-adopts what the registry says this node holds and destroys what the API no
+    /// longer knows: sandboxes and images whose objects are gone, and sandbox
+    /// directories no record points to. Run once at start-up, before the controllers.
+    #[instrument(skip(self))]
+    pub async fn resume(&self) -> Result<()> {
+        let bound = ListParams::default().fields(&format!("status.nodeName={}", self.cfg.node));
+        let sandboxes: Api<SandboxObj> = Api::all(self.client.clone());
+        let live: HashSet<String> = sandboxes
+            .list(&bound)
+            .await?
+            .items
+            .iter()
+            .filter_map(|s| s.uid())
+            .collect();
+        let mut local: BTreeMap<String, Sandbox> = self
+            .engine
+            .recover()
+            .await?
+            .into_iter()
+            .map(|s| (s.id.clone(), s))
+            .collect();
+        for (uid, rec) in self.registry.sandboxes()? {
+            match local.remove(&rec.sandbox_id) {
+                Some(sb) if live.contains(&uid) => {
+                    info!(sandbox = %rec.name, id = %sb.id, "re-adopted live sandbox");
+                    self.insert_handle(&uid, sb);
+                }
+                Some(sb) => {
+                    info!(sandbox = %rec.name, id = %sb.id, "destroying orphan: its Sandbox object is gone");
+                    self.engine.destroy(sb).await.ok();
+                    self.registry.remove_sandbox(&uid)?;
+                }
+                None => {
+                    // The record outlived its sandbox (crash during destroy): the
+                    // reconcile reports the loss; nothing to clean on the host.
+                    if !live.contains(&uid) {
+                        self.registry.remove_sandbox(&uid)?;
+                    }
+                }
+            }
+        }
+        for (_, sb) in local {
+            info!(id = %sb.id, "destroying unrecorded sandbox");
+            self.engine.destroy(sb).await.ok();
+        }
+        let snaps: Api<SnapshotObj> = Api::all(self.client.clone());
+        let live_snaps: HashSet<String> = snaps
+            .list(&bound)
+            .await?
+            .items
+            .iter()
+            .filter_map(|s| s.uid())
+            .collect();
+        let mut kept = HashSet::new();
+        for (uid, rec) in self.registry.snapshots()? {
+            if live_snaps.contains(&uid) {
+                kept.insert(rec.image_id);
+            } else {
+                self.engine.store().remove(&rec.image_id).ok();
+                self.registry.remove_snapshot(&uid)?;
+            }
+        }
+        for meta in self.engine.store().list()? {
+            if !kept.contains(&meta.id) {
+                info!(image = %meta.id, "removing unrecorded snapshot image");
+                self.engine.store().remove(&meta.id).ok();
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the agent-owned part of a Sandbox's status (always the whole part: with
+    /// server-side apply, a field left out is a field given up).
+    async fn write_sandbox_status(
+        &self,
+        obj: &SandboxObj,
+        phase: SandboxPhase,
+        sb: Option<&Sandbox>,
+        ready: (bool, &str, String),
+        extra: serde_json::Value,
+    ) -> Result<()> {
+        let api: Api<SandboxObj> =
+            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        let old = obj.status.clone().unwrap_or_default();
+        let mut conditions = old.conditions.clone();
+        let status = if ready.0 {
+            ConditionStatus::True
+        } else {
+            ConditionStatus::False
+        };
+        conditions.set_condition(
+            Condition::new("Ready", status, ready.1, ready.2, obj.metadata.generation),
+            now(),
+        );
+        let mut st = json!({
+            "phase": phase,
+            "observedGeneration": obj.metadata.generation,
+            "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
+        });
+        if let Some(sb) = sb {
+            st["sandboxId"] = json!(sb.id);
+            st["identity"] = json!(sb.identity.uid);
+        }
+        if let Some(t) = old.started_at.clone() {
+            st["startedAt"] = json!(t);
+        }
+        if let Some(rf) = old.restored_from.clone() {
+            st["restoredFrom"] = json!(rf);
+        }
+        if let Some(code) = old.exit_code {
+            st["exitCode"] = json!(code);
+        }
+        if let (Some(dst), Some(src)) = (st.as_object_mut(), extra.as_object()) {
+            for (k, v) in src {
+                dst.insert(k.clone(), v.clone());
+            }
+        }
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": st});
+        api.patch_status(
+            &obj.name_any(),
+            &PatchParams::apply(SANDBOX_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn release_finalizer<K>(&self, obj: &K) -> Result<()>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let api: Api<K> = Api::namespaced(
+            self.client.clone(),
+            &obj.meta().namespace.clone().unwrap_or_default(),
+        );
+        let finalizers: Vec<String> = obj
+            .meta()
+            .finalizers
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|f| f != FINALIZER_NODE_CLEANUP)
+            .collect();
+        let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
+        match api
+            .patch(
+                &obj.meta().name.clone().unwrap_or_default(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    // ----- Sandbox -------------------------------------------------------------
+
+    #[instrument(skip_all, fields(sandbox = %obj.name_any()))]
+    async fn reconcile_sandbox(self: &Arc<Self>, obj: &SandboxObj) -> Result<Action> {
+        let uid = obj.uid().unwrap_or_default();
+        if obj.status.as_ref().and_then(|s| s.node_name.as_deref()) != Some(self.cfg.node.as_str())
+        {
+            return Ok(Action::await_change());
+        }
+        if obj.metadata.deletion_timestamp.is_some() {
+            match self.take_handle(&uid) {
+                Some(h) => {
+                    // Waits for an in-flight exec (a branch run) to release the sandbox.
+                    let taken = h.lock().await.take();
+                    match taken {
+                        Some(sb) => {
+                            info!(id = %sb.id, "destroying deleted sandbox");
+                            self.engine.destroy(sb).await?;
+                        }
+                        None => {
+                            info!("deleted sandbox was already handed over (commit) or destroyed")
+                        }
+                    }
+                }
+                None => info!("deleted sandbox has no local handle"),
+            }
+            self.registry.remove_sandbox(&uid)?;
+            self.release_finalizer(obj).await?;
+            return Ok(Action::await_change());
+        }
+        let status = obj.status.clone().unwrap_or_default();
+        if let Some(h) = self.handle(&uid) {
+            return self.watch_running(obj, &uid, h).await;
+        }
+        if matches!(
+            status.phase,
+            SandboxPhase::Failed | SandboxPhase::Succeeded | SandboxPhase::Aborted
+        ) {
+            return Ok(Action::await_change());
+        }
+        if status.sandbox_id.is_some() {
+            // It ran here, and this node no longer has it: report, never restart.
+            self.write_sandbox_status(obj, SandboxPhase::Failed, None, (false, "SandboxLost", "the node agent has no record of this sandbox (its state was lost); it is not restarted fresh".into()), json!({})).await?;
+            self.event(
+                obj,
+                true,
+                "SandboxLost",
+                "sandbox state lost on the node".into(),
+            )
+            .await;
+            return Ok(Action::await_change());
+        }
+        self.start_sandbox(obj, &uid).await
+    }
+
+    async fn start_sandbox(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
+        let t0 = Instant::now();
+        self.write_sandbox_status(
+            obj,
+            SandboxPhase::Starting,
+            None,
+            (false, "Starting", "starting".into()),
+            json!({}),
+        )
+        .await?;
+        let started = match &obj.spec.restore_from {
+            Some(rf) => self.restore_branch(obj, rf).await,
+            None => self.start_fresh(obj).await.map(|sb| (sb, json!({}))),
+        };
+        let (sb, extra) = match started {
+            Ok(x) => x,
+            Err(e) => {
+                let reason = if obj.spec.restore_from.is_some() {
+                    "RestoreFailed"
+                } else {
+                    "StartFailed"
+                };
+                self.metrics.failed("sandbox", error_category(&e));
+                self.write_sandbox_status(
+                    obj,
+                    SandboxPhase::Failed,
+                    None,
+                    (false, reason, e.to_string()),
+                    json!({}),
+                )
+                .await?;
+                self.event(obj, true, reason, e.to_string()).await;
+                return Ok(Action::await_change());
+            }
+        };
+        // Record before reporting: a crash from here on re-adopts the sandbox.
+        self.engine.persist(&sb)?;
+        self.registry.put_sandbox(&SandboxRecord {
+            namespace: obj.namespace().unwrap_or_default(),
+            name: obj.name_any(),
+            uid: uid.to_string(),
+            sandbox_id: sb.id.clone(),
+            run_epoch: None,
+            last_commit_uid: None,
+        })?;
+        let mut extra = extra;
+        extra["startedAt"] = json!(now());
+        let fork_millis = millis(t0.elapsed());
+        self.write_sandbox_status(
+            obj,
+            SandboxPhase::Running,
+            Some(&sb),
+            (true, "Running", format!("running as {}", sb.id)),
+            extra,
+        )
+        .await?;
+        self.insert_handle(uid, sb);
+        if let Some(branch) = obj
+            .spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.branch.clone())
+        {
+            self.spawn_branch_run(obj.clone(), uid.to_string(), branch, fork_millis);
+        }
+        Ok(Action::requeue(Duration::from_secs(10)))
+    }
+
+    async fn start_fresh(&self, obj: &SandboxObj) -> Result<Sandbox> {
+        let rootfs = match (&obj.spec.rootfs, &obj.spec.image) {
+            (Some(r), _) => match &r.oci_ref {
+                Some(reference) => RootfsSource::OciLayout {
+                    path: r.path.clone().into(),
+                    reference: Some(reference.clone()),
+                },
+                None => RootfsSource::Dir(r.path.clone().into()),
+            },
+            (None, Some(image)) => {
+                return Err(Error::Invalid(format!(
+                    "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs"
+                )));
+            }
+            (None, None) => {
+                return Err(Error::Invalid(
+                    "neither spec.rootfs nor spec.image is set".into(),
+                ));
+            }
+        };
+        self.engine
+            .start(StartRequest {
+                name: obj.name_any(),
+                rootfs,
+                workload: workload_of(obj),
+                egress_allow: egress_of(obj)?,
+            })
+            .await
+    }
+
+    /// Restores a branch (warm pool first, then cold) and returns its provenance.
+    async fn restore_branch(
+        &self,
+        obj: &SandboxObj,
+        rf: &ramify_crds::RestoreFrom,
+    ) -> Result<(Sandbox, serde_json::Value)> {
+        let ns = obj.namespace().unwrap_or_default();
+        let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
+        let snap = snaps
+            .get_opt(&rf.snapshot)
+            .await?
+            .ok_or_else(|| Error::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: "not found".into(),
+            })?;
+        let st = snap.status.clone().unwrap_or_default();
+        if st.phase != SnapshotPhase::Ready {
+            return Err(Error::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: format!("is {:?}, not Ready", st.phase),
+            });
+        }
+        if st.node_name.as_deref() != Some(self.cfg.node.as_str()) {
+            return Err(Error::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: format!(
+                    "is stored on node {:?}, not on {}",
+                    st.node_name, self.cfg.node
+                ),
+            });
+        }
+        let rec = self
+            .registry
+            .snapshot(&snap.uid().unwrap_or_default())?
+            .ok_or_else(|| Error::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: "this node holds no image for it".into(),
+            })?;
+        let (name, index) = rf
+            .branch
+            .as_ref()
+            .map(|b| (b.name.clone(), u32::try_from(b.index).unwrap_or(0)))
+            .unwrap_or_else(|| (obj.name_any(), 0));
+        let track = self.tracked_globs(obj).await?;
+        let t0 = Instant::now();
+        // A warm branch has no baseline manifest, so Paths commits restore cold.
+        let warm = if track.is_empty() {
+            let pools = self.pools.lock().await;
+            match pools.get(&snap.uid().unwrap_or_default()) {
+                Some(pool) if pool.ready() > 0 => {
+                    Some(pool.claim_as(&name, index, Duration::from_secs(5)).await)
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let (sb, was_warm) = match warm {
+            Some(Ok(sb)) => {
+                self.metrics.warm_hits.inc();
+                self.metrics
+                    .warm_claim_seconds
+                    .observe(t0.elapsed().as_secs_f64());
+                (sb, true)
+            }
+            other => {
+                if let Some(Err(e)) = other {
+                    warn!(error = %e, "warm claim failed; restoring cold");
+                }
+                self.metrics.warm_misses.inc();
+                let sb = self
+                    .engine
+                    .fork_one(&rec.image_id, &name, index, &track)
+                    .await?;
+                self.metrics
+                    .restore_seconds
+                    .observe(t0.elapsed().as_secs_f64());
+                (sb, false)
+            }
+        };
+        let extra = json!({"restoredFrom": {
+            "snapshot": rf.snapshot,
+            "runscVersion": short_version(self.engine.runsc().version()),
+            "sha256": st.sha256,
+            "warm": was_warm,
+        }});
+        Ok((sb, extra))
+    }
+
+    /// Globs to record right after restore (a Paths commit diffs against them).
+    async fn tracked_globs(&self, obj: &SandboxObj) -> Result<Vec<String>> {
+        let Some(branch) = obj
+            .spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.branch.as_ref())
+        else {
+            return Ok(Vec::new());
+        };
+        let api: Api<BranchSet> =
+            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        Ok(match api.get_opt(&branch.branch_set).await? {
+            Some(bs) if bs.spec.commit.mode == CommitMode::Paths => bs.spec.commit.paths.clone(),
+            _ => Vec::new(),
+        })
+    }
+
+    async fn watch_running(
+        self: &Arc<Self>,
+        obj: &SandboxObj,
+        uid: &str,
+        h: Handle,
+    ) -> Result<Action> {
+        let guard = h.lock().await;
+        let Some(sb) = guard.as_ref() else {
+            return Ok(Action::await_change());
+        };
+        let running = self.engine.is_running(sb).await?;
+        let status = obj.status.clone().unwrap_or_default();
+        if !running && status.phase == SandboxPhase::Running {
+            self.write_sandbox_status(
+                obj,
+                SandboxPhase::Failed,
+                Some(sb),
+                (false, "Exited", "the sandbox's processes exited".into()),
+                json!({}),
+            )
+            .await?;
+            return Ok(Action::await_change());
+        }
+        if running && status.phase != SandboxPhase::Running && status.phase != SandboxPhase::Paused
+        {
+            // Re-adopted after a restart, or a status write was lost.
+            self.write_sandbox_status(
+                obj,
+                SandboxPhase::Running,
+                Some(sb),
+                (true, "Running", format!("running as {}", sb.id)),
+                json!({}),
+            )
+            .await?;
+        }
+        drop(guard);
+        if let Some(branch) = obj
+            .spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.branch.clone())
+            && status.branch.as_ref().and_then(|b| b.verdict).is_none()
+            && !self.runners.lock().map(|r| r.contains(uid)).unwrap_or(true)
+        {
+            let rec = self.registry.sandbox(uid)?;
+            let started_by = rec.and_then(|r| r.run_epoch);
+            if started_by.as_deref() == Some(self.epoch.as_str()) {
+                // This process ran it and finished: the outcome write is on its way.
+            } else if started_by.is_some() {
+                // The run was under way when the agent died; its result is unknown.
+                self.write_outcome(obj, None, VerdictValue::Abort, "the node agent restarted while this branch ran; its outcome is unknown, so it aborts".into(), None, None, None).await?;
+            } else {
+                self.spawn_branch_run(obj.clone(), uid.to_string(), branch, 0);
+            }
+        }
+        Ok(Action::requeue(Duration::from_secs(10)))
+    }
+
+    // ----- Branch runs ---------------------------------------------------------
+
+    fn spawn_branch_run(
+        self: &Arc<Self>,
+        obj: SandboxObj,
+        uid: String,
+        branch: ramify_crds::BranchRef,
+        fork_millis: i64,
+    ) {
+        if let Ok(mut r) = self.runners.lock()
+            && !r.insert(uid.clone())
+        {
+            return;
+        }
+        let agent = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = agent.run_branch(&obj, &uid, &branch, fork_millis).await {
+                warn!(error = %e, sandbox = %obj.name_any(), "branch run failed");
+                agent
+                    .write_outcome(
+                        &obj,
+                        None,
+                        VerdictValue::Abort,
+                        format!("branch run failed: {e}"),
+                        None,
+                        Some(fork_millis),
+                        None,
+                    )
+                    .await
+                    .ok();
+            }
+            if let Ok(mut r) = agent.runners.lock() {
+                r.remove(&uid);
+            }
+        });
+    }
+
+    #[instrument(skip_all, fields(branch = %branch.name))]
+    async fn run_branch(
+        &self,
+        obj: &SandboxObj,
+        uid: &str,
+        branch: &ramify_crds::BranchRef,
+        fork_millis: i64,
+    ) -> Result<()> {
+        let api: Api<BranchSet> =
+            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        let bs = api
+            .get_opt(&branch.branch_set)
+            .await?
+            .ok_or_else(|| Error::Invalid(format!("BranchSet {} not found", branch.branch_set)))?;
+        let (run, env) = match (&bs.spec.branches, &bs.spec.template) {
+            (Some(list), _) => list
+                .iter()
+                .find(|b| b.name == branch.name)
+                .map(|b| (b.run.clone(), b.env.clone()))
+                .unwrap_or_default(),
+            (None, Some(t)) => (t.run.clone(), t.env.clone()),
+            _ => Default::default(),
+        };
+        let mut env: Vec<(String, String)> = env.into_iter().map(|e| (e.name, e.value)).collect();
+        env.push(("RAMIFY_BRANCH".into(), branch.name.clone()));
+        env.push(("RAMIFY_BRANCH_INDEX".into(), branch.index.to_string()));
+        env.push(("RAMIFY_BRANCHSET".into(), branch.branch_set.clone()));
+        let timeout = Duration::from_secs(u64::try_from(bs.spec.timeout_seconds).unwrap_or(600));
+        if let Some(mut rec) = self.registry.sandbox(uid)? {
+            rec.run_epoch = Some(self.epoch.clone());
+            self.registry.put_sandbox(&rec)?;
+        }
+        let h = self
+            .handle(uid)
+            .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+        let t0 = Instant::now();
+
+        // The workload may decide at any time through /run/ramify/verdict; the run and
+        // the verdict command race against it.
+        let decided = async {
+            let mut exit_code = None;
+            if !run.is_empty() {
+                let out = {
+                    let g = h.lock().await;
+                    let sb = g
+                        .as_ref()
+                        .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+                    self.engine.exec_with(sb, &run, &env, timeout).await?
+                };
+                exit_code = Some(out.code);
+                if let Some(v) = self.verdict_file(&h).await {
+                    return Ok::<_, Error>((
+                        exit_code,
+                        v,
+                        "the workload wrote /run/ramify/verdict".to_string(),
+                    ));
+                }
+                if bs.spec.verdict.is_none() {
+                    let v = if out.code == 0 {
+                        VerdictValue::Commit
+                    } else {
+                        VerdictValue::Abort
+                    };
+                    return Ok((exit_code, v, format!("run exited {}", out.code)));
+                }
+            }
+            if let Some(verdict) = &bs.spec.verdict {
+                let vt = Duration::from_secs(u64::try_from(verdict.timeout_seconds).unwrap_or(60));
+                let out = {
+                    let g = h.lock().await;
+                    let sb = g
+                        .as_ref()
+                        .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+                    self.engine.exec_with(sb, &verdict.command, &env, vt).await
+                };
+                return Ok(match out {
+                    Ok(o) if o.code == 0 => (
+                        exit_code,
+                        VerdictValue::Commit,
+                        "verdict command exited 0".into(),
+                    ),
+                    Ok(o) => (
+                        exit_code,
+                        VerdictValue::Abort,
+                        format!("verdict command exited {}", o.code),
+                    ),
+                    Err(Error::Timeout { seconds, .. }) => (
+                        exit_code,
+                        VerdictValue::Abort,
+                        format!("verdict command timed out after {seconds}s"),
+                    ),
+                    Err(e) => return Err(e),
+                });
+            }
+            // No command at all: wait for the workload's verdict file.
+            loop {
+                if let Some(v) = self.verdict_file(&h).await {
+                    return Ok((
+                        exit_code,
+                        v,
+                        "the workload wrote /run/ramify/verdict".into(),
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let watch_file = async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if let Some(v) = self.verdict_file(&h).await {
+                    return (v, "the workload wrote /run/ramify/verdict".to_string());
+                }
+            }
+        };
+        let (exit_code, verdict, reason) = tokio::select! {
+            r = decided => r?,
+            (v, why) = watch_file => (None, v, why),
+            () = tokio::time::sleep(timeout) => (None, VerdictValue::Abort, format!("no verdict within {}s", timeout.as_secs())),
+        };
+        let run_millis = millis(t0.elapsed());
+        let diff = if bs.spec.commit.mode == CommitMode::Paths {
+            let g = h.lock().await;
+            match g.as_ref() {
+                Some(sb) => self
+                    .engine
+                    .diff_since_restore(sb, &bs.spec.commit.paths)
+                    .await
+                    .ok(),
+                None => None,
+            }
+        } else {
+            None
+        };
+        let summary = diff.map(|d| DiffSummary {
+            added: i64::try_from(d.added.len()).unwrap_or(i64::MAX),
+            modified: i64::try_from(d.modified.len()).unwrap_or(i64::MAX),
+            deleted: i64::try_from(d.deleted.len()).unwrap_or(i64::MAX),
+            bytes: i64::try_from(d.bytes()).unwrap_or(i64::MAX),
+        });
+        self.write_outcome(
+            obj,
+            exit_code,
+            verdict,
+            reason,
+            summary,
+            Some(fork_millis),
+            Some(run_millis),
+        )
+        .await
+    }
+
+    async fn verdict_file(&self, h: &Handle) -> Option<VerdictValue> {
+        let g = h.lock().await;
+        let sb = g.as_ref()?;
+        match self.engine.control(sb).verdict? {
+            Verdict::Commit => Some(VerdictValue::Commit),
+            Verdict::Abort => Some(VerdictValue::Abort),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn write_outcome(
+        &self,
+        obj: &SandboxObj,
+        exit_code: Option<i32>,
+        verdict: VerdictValue,
+        reason: String,
+        diff: Option<DiffSummary>,
+        fork_millis: Option<i64>,
+        run_millis: Option<i64>,
+    ) -> Result<()> {
+        let api: Api<SandboxObj> =
+            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {"branch": {
+            "exitCode": exit_code,
+            "verdict": verdict,
+            "reason": reason,
+            "diffSummary": diff,
+            "forkMillis": fork_millis,
+            "runMillis": run_millis,
+            "finishedAt": now(),
+        }}});
+        api.patch_status(
+            &obj.name_any(),
+            &PatchParams::apply(BRANCH_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+        info!(sandbox = %obj.name_any(), ?verdict, "branch verdict");
+        Ok(())
+    }
+
+    // ----- Snapshot ------------------------------------------------------------
+
+    #[instrument(skip_all, fields(snapshot = %snap.name_any()))]
+    async fn reconcile_snapshot(&self, snap: &SnapshotObj) -> Result<Action> {
+        let uid = snap.uid().unwrap_or_default();
+        let ns = snap.namespace().unwrap_or_default();
+        if snap.status.as_ref().and_then(|s| s.node_name.as_deref()) != Some(self.cfg.node.as_str())
+        {
+            return Ok(Action::await_change());
+        }
+        if snap.metadata.deletion_timestamp.is_some() {
+            if let Some(pool) = self.pools.lock().await.remove(&uid) {
+                pool.close().await.ok();
+            }
+            if let Some(rec) = self.registry.snapshot(&uid)? {
+                self.engine.store().remove(&rec.image_id)?;
+                self.registry.remove_snapshot(&uid)?;
+            }
+            self.release_finalizer(snap).await?;
+            return Ok(Action::await_change());
+        }
+        let status = snap.status.clone().unwrap_or_default();
+        if let Some(rec) = self.registry.snapshot(&uid)? {
+            if status.phase != SnapshotPhase::Ready {
+                // Captured before a crash, not yet reported.
+                let meta = self.engine.store().meta(&rec.image_id)?;
+                self.write_snapshot_ready(snap, &meta, None).await?;
+            }
+            return self.keep_pool(snap, &uid, &rec).await;
+        }
+        if status.phase == SnapshotPhase::Failed {
+            return Ok(Action::await_change());
+        }
+        let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
+        let Some(source) = sandboxes.get_opt(&snap.spec.source.sandbox).await? else {
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        };
+        let Some(h) = source.uid().and_then(|u| self.handle(&u)) else {
+            // Not running here yet.
+            return Ok(Action::requeue(Duration::from_millis(500)));
+        };
+        self.write_snapshot_phase(snap, SnapshotPhase::Capturing)
+            .await?;
+        let ttl = snap
+            .spec
+            .ttl_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .map(Duration::from_secs);
+        let info = {
+            let mut g = h.lock().await;
+            let Some(sb) = g.as_mut() else {
+                return Ok(Action::requeue(Duration::from_secs(1)));
+            };
+            let r = self.engine.snapshot(sb, ttl).await;
+            if r.is_ok() {
+                self.engine.persist(sb)?;
+            }
+            r
+        };
+        let info = match info {
+            Ok(i) => i,
+            Err(e) => {
+                self.metrics.failed("snapshot", error_category(&e));
+                return self
+                    .fail_snapshot(snap, "CaptureFailed", e.to_string())
+                    .await;
+            }
+        };
+        self.metrics
+            .capture_seconds
+            .observe(info.checkpoint.as_secs_f64());
+        self.metrics
+            .source_pause_seconds
+            .observe(info.source_pause.as_secs_f64());
+        self.registry.put_snapshot(&SnapshotRecord {
+            namespace: ns,
+            name: snap.name_any(),
+            uid: uid.clone(),
+            image_id: info.meta.id.clone(),
+        })?;
+        self.write_snapshot_ready(snap, &info.meta, Some(info.source_pause))
+            .await?;
+        self.event(
+            snap,
+            false,
+            "Captured",
+            format!(
+                "{} bytes in {} ms (source paused {} ms)",
+                info.meta.size_bytes,
+                info.checkpoint.as_millis(),
+                info.source_pause.as_millis()
+            ),
+        )
+        .await;
+        Ok(Action::requeue(Duration::from_millis(200)))
+    }
+
+    async fn keep_pool(
+        &self,
+        snap: &SnapshotObj,
+        uid: &str,
+        rec: &SnapshotRecord,
+    ) -> Result<Action> {
+        let want = snap
+            .spec
+            .warm_pool
+            .as_ref()
+            .map(|w| usize::try_from(w.size).unwrap_or(0))
+            .unwrap_or(0);
+        let mut pools = self.pools.lock().await;
+        let have_size = pools.get(uid).map(|p| p.size());
+        if have_size != Some(want) {
+            if let Some(old) = pools.remove(uid) {
+                old.close().await.ok();
+            }
+            if want > 0 {
+                pools.insert(uid.to_string(), self.engine.warm_pool(&rec.image_id, want));
+            }
+        }
+        let ready = pools.get(uid).map(|p| p.ready()).unwrap_or(0);
+        drop(pools);
+        let reported = snap
+            .status
+            .as_ref()
+            .and_then(|s| s.warm.as_ref())
+            .map(|w| w.ready);
+        let ready_i32 = i32::try_from(ready).unwrap_or(i32::MAX);
+        if want > 0 && reported != Some(ready_i32) {
+            let api: Api<SnapshotObj> =
+                Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+            let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"warm": {"ready": ready_i32}}});
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply("ramify-node-agent/warm-pool").force(),
+                &Patch::Apply(&body),
+            )
+            .await?;
+        }
+        Ok(if want > 0 {
+            Action::requeue(Duration::from_millis(if ready < want { 250 } else { 2000 }))
+        } else {
+            Action::await_change()
+        })
+    }
+
+    async fn write_snapshot_phase(&self, snap: &SnapshotObj, phase: SnapshotPhase) -> Result<()> {
+        let api: Api<SnapshotObj> =
+            Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"phase": phase}});
+        api.patch_status(
+            &snap.name_any(),
+            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn write_snapshot_ready(
+        &self,
+        snap: &SnapshotObj,
+        meta: &crate::store::SnapshotMeta,
+        pause: Option<Duration>,
+    ) -> Result<()> {
+        let api: Api<SnapshotObj> =
+            Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        let mut conditions = snap.status.clone().unwrap_or_default().conditions;
+        conditions.set_condition(
+            Condition::new(
+                "Ready",
+                ConditionStatus::True,
+                "Captured",
+                format!("image {} verified", meta.id),
+                snap.metadata.generation,
+            ),
+            now(),
+        );
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {
+            "phase": SnapshotPhase::Ready,
+            "sizeBytes": meta.size_bytes,
+            "sha256": meta.sha256,
+            "runscVersion": short_version(&meta.runsc_version),
+            "captureMillis": meta.capture_millis,
+            "sourcePauseMillis": pause.map(millis).unwrap_or(i64::try_from(meta.source_pause_millis).unwrap_or(0)),
+            "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),
+            "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
+        }});
+        api.patch_status(
+            &snap.name_any(),
+            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn fail_snapshot(
+        &self,
+        snap: &SnapshotObj,
+        reason: &str,
+        message: String,
+    ) -> Result<Action> {
+        let api: Api<SnapshotObj> =
+            Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        let mut conditions = snap.status.clone().unwrap_or_default().conditions;
+        conditions.set_condition(
+            Condition::new(
+                "Ready",
+                ConditionStatus::False,
+                reason,
+                message.clone(),
+                snap.metadata.generation,
+            ),
+            now(),
+        );
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {
+            "phase": SnapshotPhase::Failed,
+            "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
+        }});
+        api.patch_status(
+            &snap.name_any(),
+            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+        self.event(snap, true, reason, message).await;
+        Ok(Action::await_change())
+    }
+
+    // ----- Commit --------------------------------------------------------------
+
+    /// Applies the winner of a BranchSet in `Committing` to its parent, when the parent
+    /// runs on this node. Exactly once: the registry records the BranchSet uid with the
+    /// parent before the result is reported.
+    #[instrument(skip_all, fields(branchset = %bs.name_any()))]
+    async fn reconcile_commit(&self, bs: &BranchSet) -> Result<Action> {
+        let st = bs.status.clone().unwrap_or_default();
+        if st.phase != BranchSetPhase::Committing {
+            return Ok(Action::await_change());
+        }
+        let (Some(winner), Some(parent_name)) = (st.winner.clone(), st.parent.clone()) else {
+            return Ok(Action::await_change());
+        };
+        let ns = bs.namespace().unwrap_or_default();
+        let bs_uid = bs.uid().unwrap_or_default();
+        let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
+        let Some(parent) = sandboxes.get_opt(&parent_name).await? else {
+            return Ok(Action::await_change());
+        };
+        let parent_uid = parent.uid().unwrap_or_default();
+        let Some(mut parent_rec) = self.registry.sandbox(&parent_uid)? else {
+            return Ok(Action::await_change()); // not on this node
+        };
+        if parent
+            .status
+            .as_ref()
+            .and_then(|s| s.last_commit.as_ref())
+            .is_some_and(|c| c.branch_set_uid == bs_uid)
+        {
+            return Ok(Action::await_change());
+        }
+        let t0 = Instant::now();
+        let mode = bs.spec.commit.mode;
+        let mut files = Vec::new();
+        let (mut file_count, mut bytes) = (0i64, 0i64);
+        if parent_rec.last_commit_uid.as_deref() != Some(bs_uid.as_str()) {
+            let winner_obj = sandboxes
+                .get_opt(&format!("{}-{winner}", bs.name_any()))
+                .await?
+                .ok_or_else(|| {
+                    Error::Invalid(format!("winning branch {winner} is gone before its commit"))
+                })?;
+            let winner_uid = winner_obj.uid().unwrap_or_default();
+            let parent_h = self
+                .handle(&parent_uid)
+                .ok_or_else(|| Error::Invalid("parent sandbox has no local handle".into()))?;
+            let winner_h = self.handle(&winner_uid).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "winning branch {winner} is not running on this node"
+                ))
+            })?;
+            match mode {
+                CommitMode::Full => {
+                    let mut pg = parent_h.lock().await;
+                    let w = winner_h
+                        .lock()
+                        .await
+                        .take()
+                        .ok_or_else(|| Error::Invalid("winner already consumed".into()))?;
+                    let p = pg
+                        .as_mut()
+                        .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?;
+                    self.engine.commit_full(p, w).await?;
+                    self.engine.persist(p)?;
+                    // The commit point: the parent's record now names the winner's sandbox.
+                    parent_rec.sandbox_id = p.id.clone();
+                    parent_rec.last_commit_uid = Some(bs_uid.clone());
+                    self.registry.put_sandbox(&parent_rec)?;
+                    self.registry.remove_sandbox(&winner_uid)?;
+                    self.take_handle(&winner_uid);
+                }
+                CommitMode::Paths => {
+                    let pg = parent_h.lock().await;
+                    let wg = winner_h.lock().await;
+                    let (p, w) = (
+                        pg.as_ref()
+                            .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?,
+                        wg.as_ref()
+                            .ok_or_else(|| Error::Invalid("winner sandbox gone".into()))?,
+                    );
+                    let report = self
+                        .engine
+                        .commit_paths(p, w, &bs.spec.commit.paths)
+                        .await?;
+                    parent_rec.last_commit_uid = Some(bs_uid.clone());
+                    self.registry.put_sandbox(&parent_rec)?;
+                    let d = &report.diff;
+                    file_count = i64::try_from(d.added.len() + d.modified.len() + d.deleted.len())
+                        .unwrap_or(i64::MAX);
+                    bytes = i64::try_from(report.bytes).unwrap_or(i64::MAX);
+                    for (list, kind) in [
+                        (&d.added, ChangeKind::Added),
+                        (&d.modified, ChangeKind::Modified),
+                        (&d.deleted, ChangeKind::Deleted),
+                    ] {
+                        for c in list.iter() {
+                            if files.len() < MAX_LISTED_FILES {
+                                files.push(FileChange {
+                                    path: c.path.clone(),
+                                    change: kind,
+                                    size_bytes: i64::try_from(c.size).unwrap_or(i64::MAX),
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+            self.metrics
+                .commit_seconds
+                .observe(t0.elapsed().as_secs_f64());
+        }
+        let commits = parent.status.as_ref().map(|s| s.commits).unwrap_or(0) + 1;
+        let sandbox_id = parent_rec.sandbox_id.clone();
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {
+            "commits": commits,
+            "sandboxId": sandbox_id,
+            "lastCommit": {
+                "branchSet": bs.name_any(), "branchSetUid": bs_uid, "winner": winner, "mode": mode,
+                "files": files, "fileCount": file_count, "bytes": bytes, "at": now(),
+            },
+        }});
+        sandboxes
+            .patch_status(
+                &parent_name,
+                &PatchParams::apply(COMMIT_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await?;
+        self.event(
+            &parent,
+            false,
+            "Committed",
+            format!("branch {winner} of {} committed ({mode:?})", bs.name_any()),
+        )
+        .await;
+        Ok(Action::await_change())
+    }
+}
+
+fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Agent>) -> Action {
+    move |_, err, agent| {
+        agent.metrics.failed(controller, error_category(err));
+        if matches!(err, Error::Kube(kube::Error::Api(s)) if s.code == 409) {
+            // Another writer was first: re-read and retry at once.
+            return Action::requeue(Duration::from_millis(20));
+        }
+        warn!(controller, error = %err, "reconcile failed");
+        Action::requeue(Duration::from_secs(1))
+    }
+}
+
+/// The object, or `None` when it does not deserialize: such an object is reported
+/// and skipped, so one bad object cannot wedge a controller.
+fn admit<'a, K>(obj: &'a DeserializeGuard<K>, agent: &Agent, controller: &str) -> Option<&'a K> {
+    match &obj.0 {
+        Ok(o) => Some(o),
+        Err(e) => {
+            warn!(controller, error = %e.error, name = ?e.metadata.name, "skipping object that does not deserialize");
+            agent.metrics.failed(controller, "invalid_object");
+            None
+        }
+    }
+}
+
+async fn on_sandbox(obj: Arc<DeserializeGuard<SandboxObj>>, agent: Arc<Agent>) -> Result<Action> {
+    let t0 = Instant::now();
+    let r = match admit(&obj, &agent, "sandbox") {
+        Some(s) => agent.reconcile_sandbox(s).await,
+        None => Ok(Action::await_change()),
+    };
+    agent.metrics.reconciled("sandbox", t0.elapsed());
+    r
+}
+
+async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>) -> Result<Action> {
+    let t0 = Instant::now();
+    let r = match admit(&obj, &agent, "snapshot") {
+        Some(s) => agent.reconcile_snapshot(s).await,
+        None => Ok(Action::await_change()),
+    };
+    agent.metrics.reconciled("snapshot", t0.elapsed());
+    r
+}
+
+async fn on_branchset(obj: Arc<DeserializeGuard<BranchSet>>, agent: Arc<Agent>) -> Result<Action> {
+    let t0 = Instant::now();
+    let r = match admit(&obj, &agent, "commit") {
+        Some(b) => agent.reconcile_commit(b).await,
+        None => Ok(Action::await_change()),
+    };
+    agent.metrics.reconciled("commit", t0.elapsed());
+    r
+}
+
+/// Resumes local state, then runs the agent's controllers until shutdown.
+pub async fn run(agent: Arc<Agent>) -> Result<()> {
+    agent.resume().await?;
+    let client = agent.client.clone();
+    let mine = watcher::Config::default()
+        .fields(&format!("status.nodeName={}", agent.cfg.node))
+        .any_semantic();
+    let sandboxes = Controller::new(
+        Api::<DeserializeGuard<SandboxObj>>::all(client.clone()),
+        mine.clone(),
+    )
+    .shutdown_on_signal()
+    .run(on_sandbox, error_policy("sandbox"), agent.clone())
+    .for_each(|_| futures::future::ready(()));
+    let snapshots = Controller::new(
+        Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
+        mine,
+    )
+    .shutdown_on_signal()
+    .run(on_snapshot, error_policy("snapshot"), agent.clone())
+    .for_each(|_| futures::future::ready(()));
+    let commits = Controller::new(
+        Api::<DeserializeGuard<BranchSet>>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    )
+    .shutdown_on_signal()
+    .run(on_branchset, error_policy("commit"), agent.clone())
+    .for_each(|_| futures::future::ready(()));
+    info!(node = %agent.cfg.node, "node agent controllers running");
+    tokio::join!(sandboxes, snapshots, commits);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_parse_like_kubernetes() {
+        assert_eq!(cpu_millis("500m"), Some(500));
+        assert_eq!(cpu_millis("2"), Some(2000));
+        assert_eq!(cpu_millis("1.5"), Some(1500));
+        assert_eq!(cpu_millis("x"), None);
+        assert_eq!(memory_bytes("512Mi"), Some(512 << 20));
+        assert_eq!(memory_bytes("1G"), Some(1_000_000_000));
+        assert_eq!(memory_bytes("1048576"), Some(1_048_576));
+        assert_eq!(memory_bytes("lots"), None);
+    }
+}

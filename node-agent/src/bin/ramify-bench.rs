@@ -1,0 +1,477 @@
+//! ramify-bench: snapshot, fork and warm-pool figures on this node, each next to a
+//! plain `runsc checkpoint` / `runsc restore` run by hand in the same run.
+//!
+//!   cargo run -p ramify-node-agent --bin ramify-bench -- [--claims 200] [--dirty 0,64,256] [--forks 1,2,4,8]
+//!
+//! Needs root, runsc, busybox-static, containernetworking-plugins, iptables.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use ramify_node_agent::cmd::Cmd;
+use ramify_node_agent::engine::{
+    Engine, EngineConfig, ForkOptions, Sandbox, StartRequest, pids_mentioning,
+};
+use ramify_node_agent::placement::{Placement, PlacementRequest, Standalone, StandaloneConfig};
+use ramify_node_agent::rootfs::{RootfsSource, busybox_rootfs};
+use ramify_node_agent::runsc::{NetworkMode, Platform, RunscConfig, SandboxCtx};
+use ramify_node_agent::spec::{BundleParams, Resources, WorkloadSpec, oci_config, write_bundle};
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, default_value_t = 200)]
+    claims: usize,
+    #[arg(long, value_delimiter = ',', default_value = "0,64,256")]
+    dirty: Vec<u64>,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    forks: Vec<u32>,
+    #[arg(long, default_value = "runsc")]
+    runsc: PathBuf,
+    #[arg(long, default_value = "ptrace")]
+    platform: String,
+    /// `busy`: claim as soon as one branch is ready, while the pool's restores refill
+    /// it on the same 2 cores; `quiet`: wait for a full pool before each claim.
+    #[arg(long, default_value = "busy")]
+    claim_mode: String,
+}
+
+const PREFIX: &str = "ramify-bench-";
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+fn workload(dirty_mib: u64) -> WorkloadSpec {
+    // urandom so a compressing runsc cannot shrink the image below the dirty size.
+    let script = format!(
+        "dd if=/dev/urandom of=/tmp/fill bs=1M count={dirty_mib} 2>/dev/null; touch /tmp/ready; \
+         i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done"
+    );
+    WorkloadSpec {
+        args: vec!["/bin/sh".into(), "-c".into(), script],
+        env: vec![("PATH".into(), "/bin".into())],
+        cwd: "/".into(),
+        hostname: "bench".into(),
+        resources: Resources {
+            cpu_millis: None,
+            memory_bytes: Some(2 << 30),
+        },
+    }
+}
+
+async fn start(engine: &Engine, rootfs: &Path, name: &str, dirty: u64) -> Result<Sandbox> {
+    let sb = engine
+        .start(StartRequest {
+            name: name.into(),
+            rootfs: RootfsSource::Dir(rootfs.to_path_buf()),
+            workload: workload(dirty),
+            egress_allow: vec![],
+        })
+        .await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while engine.exec(&sb, &["test", "-e", "/tmp/ready"]).await?.code != 0 {
+        if Instant::now() > deadline {
+            bail!("{name} did not get ready");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(sb)
+}
+
+/// `runsc checkpoint` and `runsc restore` of one sandbox by hand: the same command
+/// lines the engine would build, without any of the engine's work around them.
+async fn plain_checkpoint_restore(
+    engine: &Engine,
+    sb: &Sandbox,
+    image: &Path,
+) -> Result<(Duration, Duration)> {
+    std::fs::create_dir_all(image)?;
+    let ctx = sb.ctx();
+    let global = engine.runsc().global_args(ctx);
+    let netns = ctx.netns.clone().context("no netns")?;
+    let nsenter = |extra: Vec<String>| {
+        Cmd::new("nsenter")
+            .arg(format!("--net={}", netns.display()))
+            .arg("--")
+            .args(global.iter().cloned())
+            .args(extra)
+    };
+    let t = Instant::now();
+    nsenter(vec![
+        "checkpoint".into(),
+        format!("--image-path={}", image.display()),
+        ctx.id.clone(),
+    ])
+    .run()
+    .await?;
+    let ck = t.elapsed();
+    nsenter(vec!["delete".into(), "--force".into(), ctx.id.clone()])
+        .run()
+        .await?;
+    // Old runsc strips eth0's address on start; put it back as the engine does.
+    let addr = sb.placed.address.clone().context("no address")?;
+    Cmd::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .args([
+            "ip",
+            "addr",
+            "replace",
+            &format!("{}/{}", addr.ip, addr.prefix),
+            "dev",
+            "eth0",
+        ])
+        .run()
+        .await?;
+    let hide = engine.runsc().caps().hide_proc_sys_net;
+    let bundle = sb.dir.join("bundle");
+    let restore_args = vec![
+        "restore".to_string(),
+        format!("--image-path={}", image.display()),
+        format!("--bundle={}", bundle.display()),
+        "--detach".into(),
+        ctx.id.clone(),
+    ];
+    let mut cmd = if hide {
+        Cmd::new("unshare")
+            .args(["--mount", "--propagation=private", "--", "sh", "-c"])
+            .arg(r#"mount -t tmpfs ramify-hide /proc/sys/net && exec nsenter --net="$0" -- "$@""#)
+            .arg(&netns)
+            .args(global.iter().cloned())
+            .args(restore_args)
+    } else {
+        nsenter(restore_args)
+    };
+    cmd = cmd.log_to(&sb.dir.join("plain-restore.log"));
+    let t = Instant::now();
+    cmd.run().await?;
+    Ok((ck, t.elapsed()))
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    // With RUST_LOG set, span close events show where the time of each step goes.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let swept = ramify_node_agent::sweep::sweep_orphans(PREFIX, "/ramify-bench").await;
+    if !swept.is_empty() {
+        eprintln!("swept {} leftovers of earlier runs", swept.len());
+    }
+    let dir = std::env::temp_dir()
+        .join("ramify-bench")
+        .join(std::process::id().to_string());
+    std::fs::create_dir_all(&dir)?;
+    let rootfs = busybox_rootfs(&dir.join("rootfs"), Path::new("/bin/busybox"))?;
+    let placement = Arc::new(Standalone::new(StandaloneConfig {
+        cni_bin_dir: "/usr/lib/cni".into(),
+        bridge: "rmybench0".into(),
+        subnet: "10.232.0.0/16".into(),
+        ipam_dir: dir.join("ipam"),
+        conf_dir: dir.join("cni"),
+        cgroup_parent: "/ramify-bench".into(),
+    })?);
+    let engine = Engine::new(
+        EngineConfig {
+            state_dir: dir.join("state"),
+            id_prefix: PREFIX.into(),
+            id_owner: None,
+            runsc: RunscConfig {
+                binary: args.runsc.clone(),
+                platform: args.platform.parse::<Platform>()?,
+                ..RunscConfig::default()
+            },
+            exec_timeout: Duration::from_secs(120),
+        },
+        placement.clone(),
+    )
+    .await?;
+    let result = run(&engine, &placement, &rootfs, &dir, &args).await;
+    // `run` destroys every sandbox it holds, on success and on error; leftovers of a
+    // crashed run are swept at the next start.
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+async fn run(
+    engine: &Engine,
+    placement: &Standalone,
+    rootfs: &Path,
+    dir: &Path,
+    args: &Args,
+) -> Result<()> {
+    let mut live: Vec<Sandbox> = Vec::new();
+    let r = run_inner(engine, placement, rootfs, dir, args, &mut live).await;
+    for sb in live {
+        let _ = engine.destroy(sb).await;
+    }
+    r
+}
+
+/// N plain `runsc restore` commands of one image, in parallel, into netns placed
+/// beforehand: the runsc-only floor for a cold fork of N on this machine.
+async fn plain_parallel_restore(
+    engine: &Engine,
+    placement: &Standalone,
+    dir: &Path,
+    snap: &str,
+    n: u32,
+) -> Result<Duration> {
+    let (meta, img) = engine.store().verify(snap, engine.runsc().version())?;
+    let mut placed = Vec::new();
+    let mut ctxs = Vec::new();
+    let mut result = Ok(());
+    for i in 0..n {
+        let id = format!(
+            "{PREFIX}{}-plain{i}{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..6]
+        );
+        let p = match placement
+            .place(&PlacementRequest {
+                id: id.clone(),
+                egress_allow: vec![],
+            })
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                result = Err(e.into());
+                break;
+            }
+        };
+        let sdir = dir.join("plain-par").join(&id);
+        let control = sdir.join("control");
+        std::fs::create_dir_all(&control)?;
+        std::fs::create_dir_all(sdir.join("runsc-root"))?;
+        let cfg = oci_config(
+            &meta.workload,
+            &BundleParams {
+                rootfs: &meta.rootfs,
+                control_dir: &control,
+                netns: p.netns.as_deref(),
+                cgroups_path: &p.cgroups_path,
+            },
+        );
+        write_bundle(&sdir.join("bundle"), &cfg)?;
+        placement.before_start(&p).await?;
+        ctxs.push((
+            SandboxCtx {
+                id: id.clone(),
+                root: sdir.join("runsc-root"),
+                netns: p.netns.clone(),
+                network: NetworkMode::Sandbox,
+            },
+            sdir.join("bundle"),
+        ));
+        placed.push((p, sdir));
+    }
+    let t = Instant::now();
+    if result.is_ok() {
+        let runs = ctxs
+            .iter()
+            .map(|(ctx, bundle)| engine.runsc().restore(ctx, bundle, &img));
+        for r in futures::future::join_all(runs).await {
+            if let Err(e) = r {
+                result = Err(e.into());
+            }
+        }
+    }
+    let took = t.elapsed();
+    for (p, sdir) in placed {
+        let root = sdir.join("runsc-root").to_string_lossy().into_owned();
+        for _ in 0..100 {
+            let pids = pids_mentioning(&root);
+            if pids.is_empty() {
+                break;
+            }
+            for pid in pids {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        ramify_node_agent::cgroup::remove(&p.cgroups_path)?;
+        placement.release(&p).await?;
+        std::fs::remove_dir_all(&sdir)?;
+    }
+    result.map(|()| took)
+}
+
+async fn run_inner(
+    engine: &Engine,
+    placement: &Standalone,
+    rootfs: &Path,
+    dir: &Path,
+    args: &Args,
+    live: &mut Vec<Sandbox>,
+) -> Result<()> {
+    println!(
+        "runsc: {}  caps: {:?}",
+        engine.runsc().version(),
+        engine.runsc().caps()
+    );
+    println!();
+    println!("## Snapshot of a running sandbox (dirty = MiB written to tmpfs in the sandbox)");
+    println!(
+        "| dirty | ramify snapshot: checkpoint | source pause | image | plain runsc checkpoint | plain runsc restore |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut base_snapshot = None;
+    let mut plain_restore_0 = Duration::ZERO;
+    for &d in &args.dirty {
+        let mut sb = start(engine, rootfs, &format!("snap-{d}"), d).await?;
+        let info = engine.snapshot(&mut sb, None).await?;
+        let mut by_hand = start(engine, rootfs, &format!("hand-{d}"), d).await?;
+        let (pck, prs) =
+            plain_checkpoint_restore(engine, &by_hand, &dir.join(format!("plain-{d}"))).await?;
+        by_hand.name.push_str("-restored");
+        println!(
+            "| {d} MiB | {} | {} | {} | {} | {} |",
+            ms(info.checkpoint),
+            ms(info.source_pause),
+            mib(info.meta.size_bytes),
+            ms(pck),
+            ms(prs)
+        );
+        engine.destroy(by_hand).await?;
+        if d == 0 {
+            base_snapshot = Some(info.meta.id.clone());
+            plain_restore_0 = prs;
+            live.push(sb);
+        } else {
+            engine.destroy(sb).await?;
+            engine.store().remove(&info.meta.id)?;
+        }
+    }
+    let snap = match base_snapshot {
+        Some(s) => s,
+        None => {
+            let mut sb = start(engine, rootfs, "snap-0", 0).await?;
+            let info = engine.snapshot(&mut sb, None).await?;
+            live.push(sb);
+            info.meta.id
+        }
+    };
+    println!();
+    println!(
+        "## Fork N branches from one snapshot (0 MiB dirty), wall time until every branch runs"
+    );
+    println!(
+        "plain `runsc restore` of one copy by hand: {}",
+        ms(plain_restore_0)
+    );
+    println!(
+        "| N | cold fork | per branch | N plain runsc restores in parallel | memory per branch (cgroup) | warm fork (pool of N) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for &n in &args.forks {
+        let t = Instant::now();
+        let branches = engine.fork(&snap, n, &ForkOptions::default()).await?;
+        let cold = t.elapsed();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut mem = 0u64;
+        for b in &branches {
+            mem += engine.memory_bytes(b).unwrap_or(0);
+        }
+        let mem_each = mem / u64::from(n.max(1));
+        for b in branches {
+            engine.destroy(b).await?;
+        }
+        let pool = engine.warm_pool(&snap, n as usize);
+        pool.wait_ready(n as usize, Duration::from_secs(300))
+            .await?;
+        let t = Instant::now();
+        let mut claimed = Vec::new();
+        for i in 0..n {
+            claimed.push(
+                pool.claim(&format!("w{i}"), Duration::from_secs(60))
+                    .await?,
+            );
+        }
+        let warm = t.elapsed();
+        pool.close().await?;
+        for b in claimed {
+            engine.destroy(b).await?;
+        }
+        let plain = plain_parallel_restore(engine, placement, dir, &snap, n).await?;
+        println!(
+            "| {n} | {} | {} | {} | {} | {} |",
+            ms(cold),
+            ms(cold / n.max(1)),
+            ms(plain),
+            mib(mem_each),
+            ms(warm)
+        );
+    }
+    println!();
+    println!(
+        "## Warm claim latency ({} claims, pool of 4, {} mode; the claim is identity write + cgroup thaw)",
+        args.claims, args.claim_mode
+    );
+    let pool = engine.warm_pool(&snap, 4);
+    let mut lat = Vec::with_capacity(args.claims);
+    let mut to_destroy = Vec::new();
+    let quiet = args.claim_mode == "quiet";
+    let claimed = claim_loop(engine, &pool, args.claims, quiet, &mut lat, &mut to_destroy).await;
+    // Close the pool and destroy what was claimed even when a claim failed.
+    pool.close().await?;
+    for sb in to_destroy {
+        engine.destroy(sb).await?;
+    }
+    claimed?;
+    lat.sort();
+    println!(
+        "p50 {}  p99 {}  max {}  (thaw alone is a single write to freezer.state)",
+        ms(pct(&lat, 0.50)),
+        ms(pct(&lat, 0.99)),
+        ms(*lat.last().unwrap_or(&Duration::ZERO))
+    );
+    Ok(())
+}
+
+async fn claim_loop(
+    engine: &Engine,
+    pool: &ramify_node_agent::WarmPool,
+    claims: usize,
+    quiet: bool,
+    lat: &mut Vec<Duration>,
+    to_destroy: &mut Vec<Sandbox>,
+) -> Result<()> {
+    for i in 0..claims {
+        pool.wait_ready(if quiet { 4 } else { 1 }, Duration::from_secs(300))
+            .await?;
+        let t = Instant::now();
+        let sb = pool
+            .claim(&format!("c{i}"), Duration::from_secs(60))
+            .await?;
+        lat.push(t.elapsed());
+        to_destroy.push(sb);
+        // Destroy in batches so teardown does not sit between refills all the time.
+        if to_destroy.len() >= 4 {
+            for sb in to_destroy.drain(..) {
+                engine.destroy(sb).await?;
+            }
+        }
+    }
+    Ok(())
+}

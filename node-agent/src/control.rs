@@ -1,0 +1,388 @@
+//! The sandbox control mount (`/run/ramify`), host side.
+//!
+//! Everything in the control directory except `identity` is written by the workload,
+//! which is untrusted. The parsers here are pure (bytes in, typed value or typed
+//! rejection out) and the directory reader never follows symlinks, never reads more
+//! than a bounded number of bytes and only accepts plain names.
+
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+pub const IDENTITY_FILE: &str = "identity";
+pub const VERDICT_FILE: &str = "verdict";
+pub const EFFECTS_DIR: &str = "effects";
+
+/// Largest verdict file accepted (it holds one word).
+pub const MAX_VERDICT_BYTES: u64 = 64;
+/// Largest effect request accepted.
+pub const MAX_EFFECT_BYTES: u64 = 64 * 1024;
+/// Most effect files read from one sandbox per scan.
+pub const MAX_EFFECTS: usize = 256;
+
+/// Written by the agent; a fresh one for every sandbox and every fork.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// Branch (or sandbox) name.
+    pub name: String,
+    /// Position among its siblings (0 for a root sandbox).
+    pub index: u32,
+    /// Unique id; never shared between two sandboxes.
+    pub uid: String,
+    /// Incremented every time the agent issues an identity for this lineage.
+    pub generation: u64,
+    /// The snapshot this sandbox was restored from, if any.
+    pub snapshot: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Commit,
+    Abort,
+}
+
+/// One request in the effects outbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Effect {
+    /// File name it came from (validated).
+    #[serde(skip_deserializing)]
+    pub file: String,
+    /// What to do, e.g. "http", "deploy"; the gate decides what it means.
+    pub kind: String,
+    /// Free-form payload for the gate.
+    #[serde(default)]
+    pub payload: serde_json::Value,
+}
+
+/// Why a control file was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejected {
+    #[error("{0}: larger than {1} bytes")]
+    TooLarge(String, u64),
+    #[error("{0}: not a regular file (symlinks and special files are ignored)")]
+    NotRegular(String),
+    #[error("{0}: bad name")]
+    BadName(String),
+    #[error("{0}: malformed: {1}")]
+    Malformed(String, String),
+    #[error("{0}: unreadable: {1}")]
+    Unreadable(String, String),
+    #[error("effects: more than {0} files; the rest were ignored")]
+    TooMany(usize),
+}
+
+/// Parse a verdict: one word, `commit` or `abort`, surrounding whitespace allowed.
+pub fn parse_verdict(bytes: &[u8]) -> Result<Verdict, Rejected> {
+    if bytes.len() as u64 > MAX_VERDICT_BYTES {
+        return Err(Rejected::TooLarge(VERDICT_FILE.into(), MAX_VERDICT_BYTES));
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|_| Rejected::Malformed(VERDICT_FILE.into(), "not UTF-8".into()))?;
+    match text.trim() {
+        "commit" => Ok(Verdict::Commit),
+        "abort" => Ok(Verdict::Abort),
+        other => Err(Rejected::Malformed(
+            VERDICT_FILE.into(),
+            format!(
+                "expected `commit` or `abort`, got {:?}",
+                truncate(other, 32)
+            ),
+        )),
+    }
+}
+
+/// An effect file name: `[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}` ending in `.json`.
+/// Nothing that could climb out of the directory or hide (leading dot).
+pub fn valid_effect_name(name: &str) -> bool {
+    let ok_len = (6..=69).contains(&name.len());
+    ok_len
+        && name.ends_with(".json")
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+        && !name.contains("..")
+}
+
+pub fn parse_effect(name: &str, bytes: &[u8]) -> Result<Effect, Rejected> {
+    if !valid_effect_name(name) {
+        return Err(Rejected::BadName(name.into()));
+    }
+    if bytes.len() as u64 > MAX_EFFECT_BYTES {
+        return Err(Rejected::TooLarge(name.into(), MAX_EFFECT_BYTES));
+    }
+    let mut e: Effect = serde_json::from_slice(bytes)
+        .map_err(|err| Rejected::Malformed(name.into(), err.to_string()))?;
+    if e.kind.is_empty()
+        || e.kind.len() > 64
+        || !e
+            .kind
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+    {
+        return Err(Rejected::Malformed(
+            name.into(),
+            "kind must be 1-64 of [A-Za-z0-9._-]".into(),
+        ));
+    }
+    e.file = name.into();
+    Ok(e)
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}
+
+/// Result of scanning a control directory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ControlScan {
+    pub verdict: Option<Verdict>,
+    pub effects: Vec<Effect>,
+    pub rejected: Vec<Rejected>,
+}
+
+/// Read at most `max` bytes of `dir/name`, refusing symlinks and non-regular files.
+/// O_NOFOLLOW makes the open itself refuse a symlink, so a swap between the
+/// metadata check and the open cannot redirect us.
+pub fn read_bounded(dir: &Path, name: &str, max: u64) -> Result<Option<Vec<u8>>, Rejected> {
+    let path = dir.join(name);
+    let meta = match fs::symlink_metadata(&path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Rejected::Unreadable(name.into(), e.to_string())),
+    };
+    if !meta.file_type().is_file() {
+        return Err(Rejected::NotRegular(name.into()));
+    }
+    if meta.len() > max {
+        return Err(Rejected::TooLarge(name.into(), max));
+    }
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| Rejected::Unreadable(name.into(), e.to_string()))?;
+    let fmeta = f
+        .metadata()
+        .map_err(|e| Rejected::Unreadable(name.into(), e.to_string()))?;
+    if !fmeta.file_type().is_file() {
+        return Err(Rejected::NotRegular(name.into()));
+    }
+    let mut buf = Vec::new();
+    f.take(max + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| Rejected::Unreadable(name.into(), e.to_string()))?;
+    if buf.len() as u64 > max {
+        return Err(Rejected::TooLarge(name.into(), max));
+    }
+    Ok(Some(buf))
+}
+
+/// Scan a control directory from the host side. Never fails: problems are reported
+/// in `rejected` and the offending file is ignored.
+pub fn scan(dir: &Path) -> ControlScan {
+    let mut out = ControlScan::default();
+    match read_bounded(dir, VERDICT_FILE, MAX_VERDICT_BYTES) {
+        Ok(Some(b)) => match parse_verdict(&b) {
+            Ok(v) => out.verdict = Some(v),
+            Err(r) => out.rejected.push(r),
+        },
+        Ok(None) => {}
+        Err(r) => out.rejected.push(r),
+    }
+    let effects = dir.join(EFFECTS_DIR);
+    match fs::symlink_metadata(&effects) {
+        Ok(m) if m.file_type().is_dir() => {}
+        Ok(_) => {
+            out.rejected.push(Rejected::NotRegular(EFFECTS_DIR.into()));
+            return out;
+        }
+        Err(_) => return out,
+    }
+    let entries = match fs::read_dir(&effects) {
+        Ok(e) => e,
+        Err(e) => {
+            out.rejected
+                .push(Rejected::Unreadable(EFFECTS_DIR.into(), e.to_string()));
+            return out;
+        }
+    };
+    let mut names: Vec<String> = Vec::new();
+    for entry in entries.flatten() {
+        match entry.file_name().into_string() {
+            Ok(n) => names.push(n),
+            Err(raw) => out
+                .rejected
+                .push(Rejected::BadName(raw.to_string_lossy().into_owned())),
+        }
+        if names.len() > MAX_EFFECTS {
+            out.rejected.push(Rejected::TooMany(MAX_EFFECTS));
+            break;
+        }
+    }
+    names.sort();
+    names.truncate(MAX_EFFECTS);
+    for name in names {
+        if !valid_effect_name(&name) {
+            out.rejected.push(Rejected::BadName(name));
+            continue;
+        }
+        match read_bounded(&effects, &name, MAX_EFFECT_BYTES) {
+            Ok(Some(b)) => match parse_effect(&name, &b) {
+                Ok(e) => out.effects.push(e),
+                Err(r) => out.rejected.push(r),
+            },
+            Ok(None) => {}
+            Err(r) => out.rejected.push(r),
+        }
+    }
+    out
+}
+
+/// Prepare a control directory and write its identity atomically (rename), so a
+/// workload never reads half a file. Verified with runsc 20221219: a restored sandbox
+/// reads the identity of its own control directory, not a cached copy of its parent's.
+pub fn write_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
+    fs::create_dir_all(dir.join(EFFECTS_DIR))?;
+    let mut bytes = serde_json::to_vec(id).map_err(std::io::Error::other)?;
+    bytes.push(b'\n');
+    let tmp = dir.join(".identity.tmp");
+    fs::write(&tmp, &bytes)?;
+    fs::rename(&tmp, dir.join(IDENTITY_FILE))
+}
+
+/// Remove what a workload left (verdict, effects) before a directory is reused.
+pub fn clear_outputs(dir: &Path) -> std::io::Result<()> {
+    match fs::remove_file(dir.join(VERDICT_FILE)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let effects = dir.join(EFFECTS_DIR);
+    if effects.exists() {
+        fs::remove_dir_all(&effects)?;
+    }
+    fs::create_dir_all(effects)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn verdicts() {
+        assert_eq!(parse_verdict(b"commit\n"), Ok(Verdict::Commit));
+        assert_eq!(parse_verdict(b"  abort "), Ok(Verdict::Abort));
+        assert!(matches!(
+            parse_verdict(b"COMMIT"),
+            Err(Rejected::Malformed(..))
+        ));
+        assert!(matches!(
+            parse_verdict(b"\xff\xfe"),
+            Err(Rejected::Malformed(..))
+        ));
+        assert!(matches!(
+            parse_verdict(&[b' '; 65]),
+            Err(Rejected::TooLarge(..))
+        ));
+        assert!(matches!(parse_verdict(b""), Err(Rejected::Malformed(..))));
+    }
+
+    #[test]
+    fn effect_names() {
+        assert!(valid_effect_name("001-deploy.json"));
+        assert!(!valid_effect_name("../x.json"));
+        assert!(!valid_effect_name("a/b.json"));
+        assert!(!valid_effect_name(".hidden.json"));
+        assert!(!valid_effect_name("x.txt"));
+        assert!(!valid_effect_name("a..json"));
+        assert!(!valid_effect_name(&format!("{}.json", "a".repeat(70))));
+    }
+
+    #[test]
+    fn effects_parse() {
+        let e = parse_effect("1.json", br#"{"kind":"http","payload":{"url":"x"}}"#).unwrap();
+        assert_eq!(e.kind, "http");
+        assert_eq!(e.file, "1.json");
+        assert!(parse_effect("1.json", b"{not json").is_err());
+        assert!(parse_effect("1.json", br#"{"kind":"a b"}"#).is_err());
+        assert!(
+            parse_effect("1.json", br#"{"kind":"x","file":"../../etc"}"#)
+                .is_ok_and(|e| e.file == "1.json")
+        );
+    }
+
+    #[test]
+    fn hostile_directory_is_reported_not_trusted() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        fs::create_dir_all(dir.join(EFFECTS_DIR)).unwrap();
+        let secret = d.path().join("secret");
+        fs::write(&secret, "commit").unwrap();
+        // verdict is a symlink to a host file: must not be followed.
+        symlink(&secret, dir.join(VERDICT_FILE)).unwrap();
+        fs::write(
+            dir.join(EFFECTS_DIR).join("ok.json"),
+            br#"{"kind":"deploy"}"#,
+        )
+        .unwrap();
+        fs::write(
+            dir.join(EFFECTS_DIR).join("big.json"),
+            vec![b' '; (MAX_EFFECT_BYTES + 1) as usize],
+        )
+        .unwrap();
+        fs::write(dir.join(EFFECTS_DIR).join("bad name.json"), b"{}").unwrap();
+        symlink("/etc/passwd", dir.join(EFFECTS_DIR).join("link.json")).unwrap();
+        fs::create_dir(dir.join(EFFECTS_DIR).join("sub.json")).unwrap();
+        let s = scan(dir);
+        assert_eq!(s.verdict, None);
+        assert_eq!(s.effects.len(), 1);
+        assert_eq!(s.effects[0].kind, "deploy");
+        assert!(
+            s.rejected
+                .contains(&Rejected::NotRegular(VERDICT_FILE.into()))
+        );
+        assert!(
+            s.rejected
+                .contains(&Rejected::TooLarge("big.json".into(), MAX_EFFECT_BYTES))
+        );
+        assert!(
+            s.rejected
+                .contains(&Rejected::BadName("bad name.json".into()))
+        );
+        assert!(
+            s.rejected
+                .contains(&Rejected::NotRegular("link.json".into()))
+        );
+        assert!(
+            s.rejected
+                .contains(&Rejected::NotRegular("sub.json".into()))
+        );
+    }
+
+    #[test]
+    fn identity_roundtrip_and_clear() {
+        let d = tempfile::tempdir().unwrap();
+        let id = Identity {
+            name: "b".into(),
+            index: 2,
+            uid: "u".into(),
+            generation: 7,
+            snapshot: Some("s".into()),
+        };
+        write_identity(d.path(), &id).unwrap();
+        let back: Identity =
+            serde_json::from_slice(&fs::read(d.path().join(IDENTITY_FILE)).unwrap()).unwrap();
+        assert_eq!(back, id);
+        fs::write(d.path().join(VERDICT_FILE), "commit").unwrap();
+        assert_eq!(scan(d.path()).verdict, Some(Verdict::Commit));
+        clear_outputs(d.path()).unwrap();
+        assert_eq!(scan(d.path()), ControlScan::default());
+    }
+}

@@ -1,0 +1,80 @@
+//! Typed errors of the node agent.
+
+use std::path::PathBuf;
+
+/// Everything the node agent can fail with. Command failures carry the full
+/// command line and the child's stderr so an operator can reproduce them by hand.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("`{command}` failed with {status}: {stderr}")]
+    Command {
+        command: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("could not start `{command}`: {source}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{command}` timed out after {seconds}s")]
+    Timeout { command: String, seconds: u64 },
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("required tool missing: {0}")]
+    MissingTool(String),
+    #[error("runsc output not understood: {0}")]
+    RunscOutput(String),
+    #[error("unsupported by runsc {version}: {what}")]
+    Unsupported { version: String, what: String },
+    #[error("snapshot {id}: {reason}")]
+    Snapshot { id: String, reason: String },
+    #[error(
+        "snapshot {id} was captured with runsc {captured:?} but this node runs {current:?}; \
+         gVisor only restores images taken by the same runsc version"
+    )]
+    VersionMismatch {
+        id: String,
+        captured: String,
+        current: String,
+    },
+    #[error("snapshot {id}: image file {file} is corrupt (sha256 {actual}, expected {expected})")]
+    CorruptImage {
+        id: String,
+        file: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("network setup: {0}")]
+    Network(String),
+    #[error("rootfs: {0}")]
+    Rootfs(String),
+    #[error("sandbox {id}: {reason}")]
+    Sandbox { id: String, reason: String },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("json: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("task: {0}")]
+    Join(String),
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+}
+
+impl Error {
+    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            what,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,357 @@
+//! Snapshot store on local disk: one directory per snapshot holding the runsc image
+//! files and `meta.json` (runsc version, sha256 of every file, sizes, the workload it
+//! came from, expiry). Images are verified before every restore.
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tracing::{info, instrument, warn};
+
+use crate::error::{Error, Result};
+use crate::spec::WorkloadSpec;
+
+const META: &str = "meta.json";
+const IMAGE: &str = "image";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageFile {
+    pub name: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// Everything recorded about one snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotMeta {
+    pub id: String,
+    pub runsc_version: String,
+    pub created_unix_ms: u64,
+    pub expires_unix_ms: Option<u64>,
+    pub files: Vec<ImageFile>,
+    pub size_bytes: u64,
+    /// sha256 over the sorted (name, sha256) list: one digest for the whole image.
+    pub sha256: String,
+    /// The lower rootfs the image expects (not part of the checkpoint).
+    pub rootfs: PathBuf,
+    pub workload: WorkloadSpec,
+    pub egress_allow: Vec<String>,
+    /// Source sandbox id and how long the capture took.
+    pub source: String,
+    pub capture_millis: u64,
+    pub source_pause_millis: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct SnapshotStore {
+    dir: PathBuf,
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+/// sha256 of a file, streamed.
+pub fn sha256_file(path: &Path) -> Result<(u64, String)> {
+    let mut f = fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io("read", path, e))?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+        h.update(&buf[..n]);
+    }
+    Ok((total, hex::encode(h.finalize())))
+}
+
+fn digest_of(files: &[ImageFile]) -> String {
+    let mut h = Sha256::new();
+    for f in files {
+        h.update(f.name.as_bytes());
+        h.update([0]);
+        h.update(f.sha256.as_bytes());
+        h.update([b'\n']);
+    }
+    hex::encode(h.finalize())
+}
+
+impl SnapshotStore {
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
+        let dir = dir.into();
+        fs::create_dir_all(&dir).map_err(|e| Error::io("create snapshot store", &dir, e))?;
+        Ok(SnapshotStore { dir })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn snap_dir(&self, id: &str) -> Result<PathBuf> {
+        if !valid_id(id) {
+            return Err(Error::Invalid(format!("bad snapshot id {id:?}")));
+        }
+        Ok(self.dir.join(id))
+    }
+
+    /// A fresh, empty image directory for runsc checkpoint to write into.
+    pub fn begin(&self, id: &str) -> Result<PathBuf> {
+        let d = self.snap_dir(id)?;
+        if d.exists() {
+            return Err(Error::Snapshot {
+                id: id.into(),
+                reason: "already exists".into(),
+            });
+        }
+        let img = d.join(IMAGE);
+        fs::create_dir_all(&img).map_err(|e| Error::io("create image dir", &img, e))?;
+        Ok(img)
+    }
+
+    /// Hash the image runsc wrote, make it read-only and record the metadata.
+    #[instrument(skip(self, meta), fields(id = %meta.id))]
+    pub fn seal(&self, mut meta: SnapshotMeta) -> Result<SnapshotMeta> {
+        let img = self.snap_dir(&meta.id)?.join(IMAGE);
+        let mut files = Vec::new();
+        for entry in fs::read_dir(&img).map_err(|e| Error::io("read image dir", &img, e))? {
+            let entry = entry.map_err(|e| Error::io("read image dir", &img, e))?;
+            let ft = entry
+                .file_type()
+                .map_err(|e| Error::io("stat", entry.path(), e))?;
+            if !ft.is_file() {
+                return Err(Error::Snapshot {
+                    id: meta.id.clone(),
+                    reason: format!("unexpected non-file {:?} in image", entry.file_name()),
+                });
+            }
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let (size, sha256) = sha256_file(&entry.path())?;
+            let mut perm = entry
+                .metadata()
+                .map_err(|e| Error::io("stat", entry.path(), e))?
+                .permissions();
+            perm.set_readonly(true);
+            fs::set_permissions(entry.path(), perm)
+                .map_err(|e| Error::io("chmod", entry.path(), e))?;
+            files.push(ImageFile { name, size, sha256 });
+        }
+        if files.iter().all(|f| f.size == 0) {
+            return Err(Error::Snapshot {
+                id: meta.id.clone(),
+                reason: "runsc wrote an empty image".into(),
+            });
+        }
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        meta.size_bytes = files.iter().map(|f| f.size).sum();
+        meta.sha256 = digest_of(&files);
+        meta.files = files;
+        let path = self.snap_dir(&meta.id)?.join(META);
+        let tmp = path.with_extension("tmp");
+        fs::write(&tmp, serde_json::to_vec_pretty(&meta)?)
+            .map_err(|e| Error::io("write", &tmp, e))?;
+        fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))?;
+        info!(size = meta.size_bytes, sha256 = %meta.sha256, "snapshot sealed");
+        Ok(meta)
+    }
+
+    pub fn meta(&self, id: &str) -> Result<SnapshotMeta> {
+        let path = self.snap_dir(id)?.join(META);
+        let bytes = fs::read(&path).map_err(|e| Error::io("read snapshot metadata", &path, e))?;
+        Ok(serde_json::from_slice(&bytes)?)
+    }
+
+    /// Check a snapshot can be restored by `runsc_version`: same version, not expired,
+    /// every file present with its recorded sha256 and no extra files. Returns the
+    /// image directory to pass to `runsc restore`.
+    #[instrument(skip(self))]
+    pub fn verify(&self, id: &str, runsc_version: &str) -> Result<(SnapshotMeta, PathBuf)> {
+        let meta = self.meta(id)?;
+        if meta.runsc_version != runsc_version {
+            return Err(Error::VersionMismatch {
+                id: id.into(),
+                captured: meta.runsc_version,
+                current: runsc_version.into(),
+            });
+        }
+        if meta.expires_unix_ms.is_some_and(|e| e <= now_ms()) {
+            return Err(Error::Snapshot {
+                id: id.into(),
+                reason: "expired (TTL passed)".into(),
+            });
+        }
+        let img = self.snap_dir(id)?.join(IMAGE);
+        let mut present: Vec<String> = fs::read_dir(&img)
+            .map_err(|e| Error::io("read image dir", &img, e))?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect();
+        present.sort();
+        let expected: Vec<String> = meta.files.iter().map(|f| f.name.clone()).collect();
+        if present != expected {
+            return Err(Error::Snapshot {
+                id: id.into(),
+                reason: format!("image files {present:?} differ from recorded {expected:?}"),
+            });
+        }
+        for f in &meta.files {
+            let (size, sha) = sha256_file(&img.join(&f.name))?;
+            if sha != f.sha256 || size != f.size {
+                warn!(file = %f.name, "snapshot image corrupt");
+                return Err(Error::CorruptImage {
+                    id: id.into(),
+                    file: f.name.clone(),
+                    expected: f.sha256.clone(),
+                    actual: sha,
+                });
+            }
+        }
+        Ok((meta, img))
+    }
+
+    pub fn list(&self) -> Result<Vec<SnapshotMeta>> {
+        let mut out = Vec::new();
+        for e in fs::read_dir(&self.dir).map_err(|e| Error::io("read store", &self.dir, e))? {
+            let Ok(e) = e else { continue };
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Ok(m) = self.meta(&name) {
+                out.push(m);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Bytes used by all sealed snapshots.
+    pub fn total_bytes(&self) -> Result<u64> {
+        Ok(self.list()?.iter().map(|m| m.size_bytes).sum())
+    }
+
+    pub fn remove(&self, id: &str) -> Result<()> {
+        let d = self.snap_dir(id)?;
+        match fs::remove_dir_all(&d) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io("remove snapshot", d, e)),
+        }
+    }
+
+    /// Remove every snapshot whose TTL has passed; also half-written ones (no meta)
+    /// older than `stale`. Returns the removed ids.
+    pub fn gc(&self, stale: Duration) -> Result<Vec<String>> {
+        let now = now_ms();
+        let mut removed = Vec::new();
+        for e in fs::read_dir(&self.dir).map_err(|e| Error::io("read store", &self.dir, e))? {
+            let Ok(e) = e else { continue };
+            let name = e.file_name().to_string_lossy().into_owned();
+            let expired = match self.meta(&name) {
+                Ok(m) => m.expires_unix_ms.is_some_and(|x| x <= now),
+                Err(_) => e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age >= stale),
+            };
+            if expired && valid_id(&name) {
+                self.remove(&name)?;
+                removed.push(name);
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Meta for a snapshot captured now with an optional TTL.
+    pub fn expiry(ttl: Option<Duration>) -> Option<u64> {
+        ttl.map(|t| now_ms() + t.as_millis() as u64)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::spec::Resources;
+
+    fn meta(id: &str, ttl: Option<Duration>) -> SnapshotMeta {
+        SnapshotMeta {
+            id: id.into(),
+            runsc_version: "runsc version test".into(),
+            created_unix_ms: now_ms(),
+            expires_unix_ms: SnapshotStore::expiry(ttl),
+            files: vec![],
+            size_bytes: 0,
+            sha256: String::new(),
+            rootfs: "/r".into(),
+            workload: WorkloadSpec {
+                args: vec!["x".into()],
+                env: vec![],
+                cwd: "/".into(),
+                hostname: "h".into(),
+                resources: Resources::default(),
+            },
+            egress_allow: vec![],
+            source: "s".into(),
+            capture_millis: 1,
+            source_pause_millis: 1,
+        }
+    }
+
+    fn make(store: &SnapshotStore, id: &str, ttl: Option<Duration>) -> SnapshotMeta {
+        let img = store.begin(id).unwrap();
+        fs::write(img.join("checkpoint.img"), vec![7u8; 4096]).unwrap();
+        store.seal(meta(id, ttl)).unwrap()
+    }
+
+    #[test]
+    fn seal_verify_corrupt_version_ttl() {
+        let d = tempfile::tempdir().unwrap();
+        let s = SnapshotStore::open(d.path()).unwrap();
+        let m = make(&s, "a", None);
+        assert_eq!(m.size_bytes, 4096);
+        assert_eq!(s.total_bytes().unwrap(), 4096);
+        assert!(s.verify("a", "runsc version test").is_ok());
+        assert!(matches!(
+            s.verify("a", "runsc version other"),
+            Err(Error::VersionMismatch { .. })
+        ));
+        // Flip one byte (the file is read-only, as root we can still write it).
+        let p = d.path().join("a").join(IMAGE).join("checkpoint.img");
+        let mut perm = fs::metadata(&p).unwrap().permissions();
+        #[allow(clippy::permissions_set_readonly_false)]
+        perm.set_readonly(false);
+        fs::set_permissions(&p, perm).unwrap();
+        let mut b = fs::read(&p).unwrap();
+        b[100] ^= 1;
+        fs::write(&p, b).unwrap();
+        assert!(matches!(
+            s.verify("a", "runsc version test"),
+            Err(Error::CorruptImage { .. })
+        ));
+        // Extra file is refused too.
+        make(&s, "b", None);
+        fs::write(d.path().join("b").join(IMAGE).join("extra"), b"x").unwrap();
+        assert!(s.verify("b", "runsc version test").is_err());
+        // TTL.
+        make(&s, "c", Some(Duration::from_millis(0)));
+        assert!(s.verify("c", "runsc version test").is_err());
+        let removed = s.gc(Duration::from_secs(3600)).unwrap();
+        assert_eq!(removed, vec!["c".to_string()]);
+        assert!(s.begin("../x").is_err());
+    }
+}

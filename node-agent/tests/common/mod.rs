@@ -1,0 +1,247 @@
+//! Shared test harness: a busybox rootfs, an engine per test under a unique state
+//! dir, and a once-per-process sweep of leftovers from dead test runs.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ramify_node_agent::engine::{Engine, EngineConfig, Sandbox, StartRequest};
+use ramify_node_agent::placement::{Cidr, Standalone, StandaloneConfig};
+use ramify_node_agent::rootfs::RootfsSource;
+use ramify_node_agent::runsc::RunscConfig;
+use ramify_node_agent::spec::{Resources, WorkloadSpec};
+use tokio::sync::OnceCell;
+
+pub const PREFIX: &str = "ramify-test-";
+pub const BRIDGE: &str = "rmytest0";
+pub const SUBNET: &str = "10.231.0.0/16";
+pub const GATEWAY: &str = "10.231.0.1";
+
+fn base() -> PathBuf {
+    std::env::temp_dir().join("ramify-test")
+}
+
+/// Fail loudly (never skip) when the node lacks what real sandboxes need.
+fn require_tools() {
+    let mut missing = Vec::new();
+    for (tool, pkg) in [
+        ("/usr/bin/runsc", "runsc"),
+        ("/bin/busybox", "busybox-static"),
+        ("/usr/lib/cni/bridge", "containernetworking-plugins"),
+        ("/usr/lib/cni/host-local", "containernetworking-plugins"),
+        ("/usr/sbin/iptables", "iptables"),
+        ("/usr/bin/nsenter", "util-linux"),
+    ] {
+        let found = if tool.ends_with("runsc") {
+            let bin = std::env::var_os("RAMIFY_RUNSC").unwrap_or_else(|| "runsc".into());
+            std::process::Command::new(bin)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        } else {
+            Path::new(tool).exists()
+        };
+        if !found {
+            missing.push(format!("{tool} (apt package {pkg})"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "these tests run real gVisor sandboxes and need: {}. Run node-agent/scripts/install-deps.sh as root.",
+        missing.join(", ")
+    );
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "these tests must run as root (netns, cgroups, iptables)"
+    );
+}
+
+static SETUP: OnceCell<PathBuf> = OnceCell::const_new();
+
+/// Busybox rootfs shared by the tests of this process; sweep orphans first.
+pub async fn rootfs() -> PathBuf {
+    SETUP
+        .get_or_init(|| async {
+            require_tools();
+            let swept = ramify_node_agent::sweep::sweep_orphans(PREFIX, "/ramify-test").await;
+            if !swept.is_empty() {
+                eprintln!("swept leftovers of earlier test runs: {swept:#?}");
+            }
+            // Per-process directories of dead test processes.
+            if let Ok(rd) = std::fs::read_dir(base()) {
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if let Some(pid) = name.split('-').next().and_then(|p| p.parse::<u32>().ok())
+                        && !Path::new("/proc").join(pid.to_string()).exists()
+                    {
+                        let _ = std::fs::remove_dir_all(e.path());
+                    }
+                }
+            }
+            let root = base().join(format!("{}-rootfs", std::process::id()));
+            let _ = std::fs::remove_dir_all(&root);
+            for d in [
+                "bin",
+                "proc",
+                "sys",
+                "dev",
+                "tmp",
+                "etc",
+                "work",
+                "run/ramify",
+                "root",
+            ] {
+                std::fs::create_dir_all(root.join(d)).unwrap();
+            }
+            std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+            let list = std::process::Command::new("/bin/busybox")
+                .arg("--list")
+                .output()
+                .unwrap();
+            for applet in String::from_utf8_lossy(&list.stdout).lines() {
+                if applet != "busybox" && !applet.is_empty() {
+                    std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+                }
+            }
+            std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+            std::fs::write(root.join("work/seed.txt"), "seed\n").unwrap();
+            std::fs::write(root.join("work/keep.txt"), "keep\n").unwrap();
+            root
+        })
+        .await
+        .clone()
+}
+
+pub struct Harness {
+    pub engine: Engine,
+    pub rootfs: PathBuf,
+    pub dir: PathBuf,
+}
+
+pub async fn harness(test: &str) -> Harness {
+    let rootfs = rootfs().await;
+    let dir = base().join(format!(
+        "{}-{test}-{}",
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..6]
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let placement = Standalone::new(StandaloneConfig {
+        cni_bin_dir: "/usr/lib/cni".into(),
+        bridge: BRIDGE.into(),
+        subnet: SUBNET.into(),
+        ipam_dir: base().join("ipam"),
+        conf_dir: dir.join("cni"),
+        cgroup_parent: "/ramify-test".into(),
+    })
+    .unwrap();
+    let engine = Engine::new(
+        EngineConfig {
+            state_dir: dir.join("state"),
+            id_prefix: PREFIX.into(),
+            id_owner: None,
+            // RAMIFY_RUNSC picks another runsc (e.g. a current release built from the
+            // gvisor.dev Go module); default: the one on PATH (Debian's package).
+            runsc: RunscConfig {
+                binary: std::env::var_os("RAMIFY_RUNSC").map_or_else(|| "runsc".into(), Into::into),
+                ..RunscConfig::default()
+            },
+            exec_timeout: Duration::from_secs(60),
+        },
+        Arc::new(placement),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("engine: {e}"));
+    Harness {
+        engine,
+        rootfs,
+        dir,
+    }
+}
+
+impl Harness {
+    pub fn workload(&self, script: &str) -> WorkloadSpec {
+        WorkloadSpec {
+            args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: vec![("PATH".into(), "/bin".into())],
+            cwd: "/".into(),
+            hostname: "sandbox".into(),
+            resources: Resources {
+                cpu_millis: Some(1000),
+                memory_bytes: Some(512 << 20),
+            },
+        }
+    }
+
+    pub async fn start(&self, name: &str, script: &str, egress: Vec<Cidr>) -> Sandbox {
+        self.engine
+            .start(StartRequest {
+                name: name.into(),
+                rootfs: RootfsSource::Dir(self.rootfs.clone()),
+                workload: self.workload(script),
+                egress_allow: egress,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("start {name}: {e}"))
+    }
+
+    pub async fn sh(&self, sb: &Sandbox, script: &str) -> String {
+        let out = self
+            .engine
+            .exec(sb, &["/bin/sh", "-c", script])
+            .await
+            .unwrap_or_else(|e| panic!("exec: {e}"));
+        assert_eq!(
+            out.code,
+            0,
+            "`{script}` in {} failed: {}",
+            sb.name,
+            out.stderr_str()
+        );
+        out.stdout_str()
+    }
+
+    pub async fn counter(&self, sb: &Sandbox) -> u64 {
+        self.sh(sb, "cat /tmp/counter")
+            .await
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// Destroy and assert nothing is left on the host.
+    pub async fn destroy_clean(&self, sb: Sandbox) {
+        let (id, dir, cg) = (sb.id.clone(), sb.dir.clone(), sb.cgroups_path().to_string());
+        self.engine
+            .destroy(sb)
+            .await
+            .unwrap_or_else(|e| panic!("destroy {id}: {e}"));
+        let left = self.engine.leftovers(&id, &dir, &cg).await;
+        assert!(left.is_empty(), "leftovers of {id}: {left:#?}");
+    }
+
+    pub async fn finish(self) {
+        for id in self.engine.store().list().unwrap() {
+            self.engine.store().remove(&id.id).unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub const COUNTER: &str =
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done";
+
+impl Harness {
+    /// Assert no sandbox this engine ever created, except `keep`, left anything behind.
+    pub async fn assert_no_leftovers_except(&self, keep: &[&str]) {
+        for id in self.engine.issued_ids() {
+            if keep.contains(&id.as_str()) {
+                continue;
+            }
+            let (dir, cg) = self.engine.paths_of(&id);
+            let left = self.engine.leftovers(&id, &dir, &cg).await;
+            assert!(left.is_empty(), "leftovers of {id}: {left:#?}");
+        }
+    }
+}
