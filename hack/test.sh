@@ -36,7 +36,25 @@ step "cargo build --bins (the end-to-end tests run the real binaries)"
 cargo build --workspace --bins --locked
 
 step "cargo test --workspace (node agent on Debian's runsc: $(runsc --version | head -1))"
-cargo test --workspace --locked -- --include-ignored
+results="$(mktemp)"
+cargo test --workspace --locked -- --include-ignored 2>&1 | tee -a "$results"
 
 step "node agent again on the current runsc ($("$current_runsc" --version | head -1))"
-RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --include-ignored
+RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --include-ignored 2>&1 | tee -a "$results"
+
+step "the demo end to end (make demo), checked for a committed winner"
+demo_log="$(mktemp)"
+if ! env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh >"$demo_log" 2>&1; then
+  cat "$demo_log"; env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down || true; exit 1
+fi
+tail -n 12 "$demo_log"
+grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down || true; exit 1; }
+grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down || true; exit 1; }
+env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down
+echo "test result: ok. 1 passed; 0 failed; 0 ignored (make demo)" >>"$results"
+
+# One closing line for the whole run.
+passed=$(grep -o '[0-9]* passed' "$results" | awk '{s+=$1} END {print s+0}')
+failed=$(grep -o '[0-9]* failed' "$results" | awk '{s+=$1} END {print s+0}')
+echo
+echo "ramify: $passed passed, $failed failed"

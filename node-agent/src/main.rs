@@ -159,6 +159,58 @@ async fn engine(
     .await?)
 }
 
+/// How the running agent drives runsc, recorded in its state directory so the local
+/// subcommands (exec, logs, diff, cleanup) use the same runsc build and network.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct AgentSettings {
+    runsc: PathBuf,
+    platform: String,
+    bridge: String,
+    subnet: String,
+}
+
+fn settings_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("agent.json")
+}
+
+/// The engine over a node's state, as its agent configured it.
+async fn local_engine(
+    cli_runsc: &Path,
+    platform: &str,
+    state_dir: &Path,
+) -> anyhow::Result<Engine> {
+    let s = std::fs::read(settings_path(state_dir))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<AgentSettings>(&b).ok())
+        .unwrap_or(AgentSettings {
+            runsc: cli_runsc.to_path_buf(),
+            platform: platform.to_string(),
+            bridge: "ramify0".into(),
+            subnet: "10.88.0.0/16".into(),
+        });
+    engine(
+        &s.runsc,
+        &s.platform,
+        state_dir,
+        &s.bridge,
+        &s.subnet,
+        Some("node".into()),
+    )
+    .await
+}
+
+/// The engine over a node's state and the sandbox recorded there for `namespace/name`.
+async fn local(
+    cli_runsc: &Path,
+    platform: &str,
+    state_dir: &Path,
+    key: &str,
+) -> anyhow::Result<(Engine, ramify_node_agent::Sandbox)> {
+    let engine = local_engine(cli_runsc, platform, state_dir).await?;
+    let sb = find(&engine, state_dir, key).await?;
+    Ok((engine, sb))
+}
+
 /// The local sandbox recorded for `namespace/name`.
 async fn find(
     engine: &Engine,
@@ -229,6 +281,16 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some("node".into()),
             )
             .await?;
+            let settings = AgentSettings {
+                runsc: std::fs::canonicalize(&cli.runsc).unwrap_or_else(|_| cli.runsc.clone()),
+                platform: cli.platform.clone(),
+                bridge: bridge.clone(),
+                subnet: subnet.clone(),
+            };
+            std::fs::write(
+                settings_path(&state.state_dir),
+                serde_json::to_vec_pretty(&settings)?,
+            )?;
             let client = kube::Client::try_default().await?;
             let version = agent::short_version(engine.runsc().version()).to_string();
             let metrics = AgentMetrics::new(&version);
@@ -270,16 +332,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             sandbox,
             command,
         } => {
-            let engine = engine(
-                &cli.runsc,
-                &cli.platform,
-                &state.state_dir,
-                "ramify0",
-                "10.88.0.0/16",
-                Some("node".into()),
-            )
-            .await?;
-            let sb = find(&engine, &state.state_dir, &sandbox).await?;
+            let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
+            // `exec NAME -- CMD`: clap keeps the `--` in a trailing var-arg.
+            let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
             let out = engine
                 .exec_with(&sb, &command, &[], Duration::from_secs(600))
                 .await?;
@@ -289,16 +344,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(u8::try_from(out.code).unwrap_or(1)))
         }
         Command::Logs { state, sandbox } => {
-            let engine = engine(
-                &cli.runsc,
-                &cli.platform,
-                &state.state_dir,
-                "ramify0",
-                "10.88.0.0/16",
-                Some("node".into()),
-            )
-            .await?;
-            let sb = find(&engine, &state.state_dir, &sandbox).await?;
+            let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
             let path = engine.log_path(&sb);
             print!("{}", std::fs::read_to_string(&path).unwrap_or_default());
             Ok(ExitCode::SUCCESS)
@@ -308,16 +354,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             sandbox,
             paths,
         } => {
-            let engine = engine(
-                &cli.runsc,
-                &cli.platform,
-                &state.state_dir,
-                "ramify0",
-                "10.88.0.0/16",
-                Some("node".into()),
-            )
-            .await?;
-            let sb = find(&engine, &state.state_dir, &sandbox).await?;
+            let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
             let d = engine.diff_since_restore(&sb, &paths).await?;
             for (mark, list) in [("A", &d.added), ("M", &d.modified), ("D", &d.deleted)] {
                 for c in list.iter() {
@@ -332,15 +369,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Cleanup { state } => {
-            let engine = engine(
-                &cli.runsc,
-                &cli.platform,
-                &state.state_dir,
-                "ramify0",
-                "10.88.0.0/16",
-                Some("node".into()),
-            )
-            .await?;
+            let engine = local_engine(&cli.runsc, &cli.platform, &state.state_dir).await?;
             for sb in engine.recover().await? {
                 let id = sb.id.clone();
                 engine.destroy(sb).await?;

@@ -145,9 +145,15 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     if let Some(snap) = &plan.create_snapshot {
         create_ignoring_exists(&snapshots, snap).await?;
     }
-    for sbx in &plan.create_branches {
-        create_ignoring_exists(&sandboxes, sbx).await?;
-    }
+    // Branches are created and bound in parallel: this is the fork's critical path.
+    let creations = plan.create_branches.iter().map(|sbx| {
+        let sandboxes = sandboxes.clone();
+        async move {
+            create_ignoring_exists(&sandboxes, sbx).await?;
+            bind_branch(&sandboxes, sbx).await
+        }
+    });
+    futures::future::try_join_all(creations).await?;
     Ok(match plan.requeue {
         Some(d) => Action::requeue(d),
         None => Action::requeue(Duration::from_secs(300)),
@@ -196,4 +202,35 @@ where
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Binds a new branch to its snapshot's node right away (the node agent watches
+/// `status.nodeName`), instead of waiting for the Sandbox reconciler's own pass.
+async fn bind_branch(api: &Api<Sandbox>, sbx: &Sandbox) -> Result<()> {
+    let (Some(name), Some(node)) = (sbx.metadata.name.as_deref(), sbx.spec.node_name.as_deref())
+    else {
+        return Ok(());
+    };
+    let cond = ramify_crds::Condition::new(
+        "Scheduled",
+        ramify_crds::ConditionStatus::True,
+        "Bound",
+        format!("bound to node {node}, where its snapshot is"),
+        Some(1),
+    );
+    let mut conditions = Vec::new();
+    ramify_crds::ConditionsExt::set_condition(
+        &mut conditions,
+        cond,
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()),
+    );
+    let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+                      "status": {"nodeName": node, "conditions": conditions}});
+    api.patch_status(
+        name,
+        &PatchParams::apply(crate::sandbox::BINDING_MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await?;
+    Ok(())
 }

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::nodes;
 
 pub const CONTROLLER: &str = "sandbox";
-const BINDING_MANAGER: &str = "ramify-operator/sandbox-binding";
+pub(crate) const BINDING_MANAGER: &str = "ramify-operator/sandbox-binding";
 
 /// Reconciles one Sandbox.
 #[instrument(skip_all, fields(sandbox = %obj.name_any(), ns = obj.namespace().unwrap_or_default()))]
@@ -165,13 +165,23 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         }
         Err(e) => return Err(e.into()),
     }
-    ctx.event(
-        &sbx.object_ref(&()),
-        false,
-        "Scheduled",
-        format!("bound to node {node}"),
-    )
-    .await;
+    if sbx
+        .spec
+        .restore_from
+        .as_ref()
+        .and_then(|r| r.branch.as_ref())
+        .is_none()
+    {
+        // Branches are bound where their snapshot is, by construction: an Event per
+        // branch would only add an API write to the fork's critical path.
+        ctx.event(
+            &sbx.object_ref(&()),
+            false,
+            "Scheduled",
+            format!("bound to node {node}"),
+        )
+        .await;
+    }
     Ok(Action::requeue(Duration::from_secs(300)))
 }
 

@@ -349,7 +349,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Exec { sandbox, command } => {
             let obj = get_sandbox(&sandboxes, &sandbox).await?;
             let mut args = vec!["exec".to_string(), format!("{ns}/{sandbox}"), "--".into()];
-            args.extend(command);
+            // `exec NAME -- CMD`: clap keeps the `--` in a trailing var-arg.
+            args.extend(command.into_iter().skip_while(|a| a == "--"));
             on_node(&client, &obj, args).await
         }
         Cmd::Logs { sandbox } => {

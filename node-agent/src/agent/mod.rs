@@ -479,17 +479,19 @@ impl Agent {
 
     async fn start_sandbox(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
         let t0 = Instant::now();
-        self.write_sandbox_status(
-            obj,
-            SandboxPhase::Starting,
-            None,
-            (false, "Starting", "starting".into()),
-            json!({}),
-        )
-        .await?;
         let started = match &obj.spec.restore_from {
             Some(rf) => self.restore_branch(obj, rf).await,
-            None => self.start_fresh(obj).await.map(|sb| (sb, json!({}))),
+            None => {
+                self.write_sandbox_status(
+                    obj,
+                    SandboxPhase::Starting,
+                    None,
+                    (false, "Starting", "starting".into()),
+                    json!({}),
+                )
+                .await?;
+                self.start_fresh(obj).await.map(|sb| (sb, json!({})))
+            }
         };
         let (sb, extra) = match started {
             Ok(x) => x,
@@ -645,6 +647,19 @@ impl Agent {
                     warn!(error = %e, "warm claim failed; restoring cold");
                 }
                 self.metrics.warm_misses.inc();
+                // A cold restore takes a while: say so. (A warm claim goes straight to Running.)
+                self.write_sandbox_status(
+                    obj,
+                    SandboxPhase::Starting,
+                    None,
+                    (
+                        false,
+                        "Restoring",
+                        format!("restoring from snapshot {}", rf.snapshot),
+                    ),
+                    json!({}),
+                )
+                .await?;
                 let sb = self
                     .engine
                     .fork_one(&rec.image_id, &name, index, &track)

@@ -1,0 +1,269 @@
+//! End-to-end latency of ramify as a user sees it (real control plane, operator, node
+//! agent and runsc), against the baseline a fork replaces: creating fresh sandboxes and
+//! replaying the workspace's set-up.
+//!
+//!   cargo build --bins && sudo target/debug/ramify-e2e-bench [--runs 3]
+//!
+//! Prints, per scenario, the time from `kubectl apply` to every branch running:
+//! a 4-branch BranchSet from a live sandbox (snapshot + cold restores), from an existing
+//! snapshot (cold restores), from a snapshot with a warm pool of 4 (claims), and the
+//! time from the winner's verdict to its siblings being gone.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::{Duration, Instant};
+
+use kube::api::{Api, ListParams};
+use ramify_crds::{LABEL_BRANCHSET, Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
+use ramify_e2e::system::System;
+
+/// The workspace's set-up: 32 MiB of data written and hashed, about a second of work on
+/// these machines. A fork inherits it; a fresh sandbox must replay it.
+const SETUP: &str = "mkdir -p /work && dd if=/dev/urandom of=/work/data bs=1M count=32 2>/dev/null && sha256sum /work/data > /work/data.sum && echo ready > /work/ready";
+
+fn workspace_yaml(name: &str, rootfs: &std::path::Path) -> String {
+    format!(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: Sandbox
+metadata: {{name: {name}}}
+spec:
+  rootfs: {{path: {}}}
+  command: ["/bin/sh", "-c", "{SETUP}; while true; do sleep 1; done"]
+  env: [{{name: PATH, value: /bin}}]
+"#,
+        rootfs.display()
+    )
+}
+
+/// Polls (5 ms) until `n` sandboxes labelled with `bs` run; returns the elapsed time.
+async fn all_running(sandboxes: &Api<Sandbox>, bs: &str, n: usize, t0: Instant) -> Duration {
+    let lp = ListParams::default().labels(&format!("{LABEL_BRANCHSET}={bs}"));
+    loop {
+        let items = sandboxes.list(&lp).await.unwrap().items;
+        let running = items
+            .iter()
+            .filter(|s| {
+                s.status
+                    .as_ref()
+                    .is_some_and(|st| st.phase == SandboxPhase::Running)
+            })
+            .count();
+        if running == n {
+            return t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "branches of {bs} never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn branchset(name: &str, source: &str, n: usize) -> String {
+    let branches: Vec<String> = (0..n).map(|i| format!("{{name: b{i}}}")).collect();
+    format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {{name: {name}}}\nspec:\n  source: {source}\n  branches: [{}]\n  timeoutSeconds: 600\n",
+        branches.join(", ")
+    )
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() {
+    let runs: usize = std::env::args()
+        .skip_while(|a| a != "--runs")
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let sys = System::start("bench").await;
+    let sandboxes = sys.sandboxes();
+    let snapshots: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let branchsets = sys.branchsets();
+    let wait_ready = |name: String| {
+        let sys = &sys;
+        async move {
+            let t0 = Instant::now();
+            while sys.exec(&name, "cat /work/ready").1 != "ready" {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(120),
+                    "{name} never finished its set-up"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // Baseline: four fresh sandboxes, each replaying the set-up.
+    let mut fresh = Vec::new();
+    for r in 0..runs {
+        let t0 = Instant::now();
+        for i in 0..4 {
+            sys.apply(&workspace_yaml(&format!("fresh-{r}-{i}"), &sys.rootfs));
+        }
+        for i in 0..4 {
+            wait_ready(format!("fresh-{r}-{i}")).await;
+        }
+        fresh.push(ms(t0.elapsed()));
+        for i in 0..4 {
+            let _ = sandboxes
+                .delete(&format!("fresh-{r}-{i}"), &Default::default())
+                .await;
+        }
+    }
+
+    // The workspace that gets forked.
+    sys.apply(&workspace_yaml("workspace", &sys.rootfs));
+    sys.wait_sandbox("workspace", "Running", 120, |s| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == SandboxPhase::Running)
+    })
+    .await;
+    wait_ready("workspace".into()).await;
+
+    let (mut live, mut cold, mut warm, mut invalidate, mut warm_flags) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for r in 0..runs {
+        // From the live sandbox: snapshot + 4 cold restores.
+        let name = format!("live-{r}");
+        let t0 = Instant::now();
+        sys.apply(&branchset(&name, "{sandbox: workspace}", 4));
+        live.push(ms(all_running(&sandboxes, &name, 4, t0).await));
+
+        // From that snapshot, cold.
+        let snap = format!("{name}-base");
+        let cname = format!("cold-{r}");
+        let t0 = Instant::now();
+        sys.apply(&branchset(&cname, &format!("{{snapshot: {snap}}}"), 4));
+        cold.push(ms(all_running(&sandboxes, &cname, 4, t0).await));
+
+        // A warm pool of 4 on that snapshot; once it is full, fork from it.
+        let patch = serde_json::json!({"spec": {"warmPool": {"size": 4}}});
+        snapshots
+            .patch(
+                &snap,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+            .unwrap();
+        let t_pool = Instant::now();
+        loop {
+            let s = snapshots
+                .get(&snap)
+                .await
+                .unwrap()
+                .status
+                .unwrap_or_default();
+            if s.phase == SnapshotPhase::Ready && s.warm.as_ref().is_some_and(|w| w.ready >= 4) {
+                break;
+            }
+            assert!(
+                t_pool.elapsed() < Duration::from_secs(120),
+                "warm pool never filled"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let wname = format!("warm-{r}");
+        let t0 = Instant::now();
+        sys.apply(&branchset(&wname, &format!("{{snapshot: {snap}}}"), 4));
+        warm.push(ms(all_running(&sandboxes, &wname, 4, t0).await));
+        let n_warm = sandboxes
+            .list(&ListParams::default().labels(&format!("{LABEL_BRANCHSET}={wname}")))
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .filter(|s| {
+                s.status
+                    .as_ref()
+                    .and_then(|st| st.restored_from.as_ref())
+                    .is_some_and(|rf| rf.warm)
+            })
+            .count();
+        warm_flags.push(n_warm);
+
+        // First verdict to siblings gone: branch b0 of the live set commits.
+        let t0 = Instant::now();
+        assert_eq!(
+            sys.exec(&format!("{name}-b0"), "echo commit > /run/ramify/verdict")
+                .0,
+            0
+        );
+        let lp = ListParams::default().labels(&format!("{LABEL_BRANCHSET}={name}"));
+        loop {
+            let left = sandboxes
+                .list(&lp)
+                .await
+                .unwrap()
+                .items
+                .iter()
+                .filter(|s| s.name_any_ne(&format!("{name}-b0")))
+                .count();
+            if left == 0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "siblings never went"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        invalidate.push(ms(t0.elapsed()));
+        for n in [&cname, &wname] {
+            let _ = branchsets.delete(n, &Default::default()).await;
+        }
+    }
+
+    println!(
+        "\nramify end-to-end latency, {runs} runs each (median, then every run), 2-core machine"
+    );
+    println!("{:<62} {:>9}  runs", "scenario", "median");
+    let row = |label: &str, v: &Vec<f64>| {
+        let all: Vec<String> = v.iter().map(|x| format!("{x:.0}")).collect();
+        println!(
+            "{label:<62} {:>7.0}ms  [{}]",
+            median(v.clone()),
+            all.join(", ")
+        );
+    };
+    row(
+        "baseline: 4 fresh sandboxes + replayed set-up, all ready",
+        &fresh,
+    );
+    row(
+        "apply 4-branch BranchSet from a live sandbox -> all running",
+        &live,
+    );
+    row(
+        "apply 4-branch BranchSet from a snapshot (cold) -> all running",
+        &cold,
+    );
+    row(
+        "apply 4-branch BranchSet from a warm pool -> all running",
+        &warm,
+    );
+    row(
+        "verdict written in the winner -> 3 siblings deleted",
+        &invalidate,
+    );
+    println!("branches served warm in the warm runs: {warm_flags:?} of 4");
+    sys.teardown_and_check_clean().await;
+}
+
+trait NameNe {
+    fn name_any_ne(&self, other: &str) -> bool;
+}
+
+impl NameNe for Sandbox {
+    fn name_any_ne(&self, other: &str) -> bool {
+        self.metadata.name.as_deref() != Some(other)
+    }
+}

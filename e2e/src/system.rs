@@ -1,0 +1,383 @@
+//! A whole ramify system for tests and benchmarks: the control plane, the operator and
+//! one node agent as real processes (so they can be killed), real runsc sandboxes.
+//! Test support: any failure panics, failing the test (or benchmark) that called it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams};
+use kube::runtime::wait::await_condition;
+use ramify_crds::{BranchSet, LABEL_BRANCHSET, Sandbox, SandboxPhase};
+
+use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, repo_root};
+
+/// A running ramify: operator + one node agent, bound to one test namespace.
+pub struct System {
+    pub cp: ControlPlane,
+    pub client: Client,
+    pub ns: TestNamespace,
+    pub operator: Component,
+    pub agent: Component,
+    pub state_dir: PathBuf,
+    pub runsc: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+/// The pinned current runsc (built from the Go module proxy, cached).
+pub fn runsc() -> PathBuf {
+    let out = Command::new(repo_root().join("hack/runsc/build.sh"))
+        .output()
+        .expect("hack/runsc/build.sh");
+    assert!(
+        out.status.success(),
+        "building runsc failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Removes what earlier runs of this test binary left (a failed run cannot tear down).
+pub fn clean_earlier_runs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let base = repo_root().join(".ramify/e2e");
+        let Ok(rd) = std::fs::read_dir(&base) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let agent = e.path().join("agent");
+            if agent.is_dir() {
+                let _ = Command::new(binary("ramify-node-agent").unwrap())
+                    .args(["cleanup", "--state-dir"])
+                    .arg(&agent)
+                    .output();
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    });
+}
+
+impl System {
+    pub async fn start(name: &str) -> System {
+        clean_earlier_runs();
+        let cp = ControlPlane::ensure().expect("control plane");
+        let client = cp.client().await.expect("client");
+        install_crds(&client).await.expect("crds");
+        let suffix = &uuid::Uuid::new_v4().simple().to_string()[..6];
+        let system_ns = TestNamespace::create(&client, "ramify-sys").await.unwrap();
+        let ns = TestNamespace::create(&client, name).await.unwrap();
+        let base = repo_root()
+            .join(".ramify/e2e")
+            .join(format!("{name}-{suffix}"));
+        std::fs::create_dir_all(&base).unwrap();
+        let state_dir = base.join("agent");
+        let rootfs = repo_root().join(".ramify/e2e/rootfs");
+        let agent_bin = binary("ramify-node-agent").unwrap();
+        let out = Command::new(&agent_bin)
+            .args(["rootfs", "--out"])
+            .arg(&rootfs)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "rootfs: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let runsc = runsc();
+        let kubeconfig = cp.kubeconfig.to_string_lossy().into_owned();
+        let env = vec![
+            ("KUBECONFIG".to_string(), kubeconfig),
+            ("RUST_LOG".to_string(), "info".to_string()),
+        ];
+        let node = format!("e2e-{suffix}");
+        let mut operator = Component::new(
+            "operator",
+            binary("ramify-operator").unwrap(),
+            vec![
+                "--metrics-addr".into(),
+                "127.0.0.1:0".into(),
+                "--system-namespace".into(),
+                system_ns.name.clone(),
+            ],
+            env.clone(),
+            &base,
+        );
+        let mut agent = Component::new(
+            "node-agent",
+            agent_bin,
+            vec![
+                "--runsc".into(),
+                runsc.to_string_lossy().into_owned(),
+                "run".into(),
+                "--node-name".into(),
+                node,
+                "--system-namespace".into(),
+                system_ns.name.clone(),
+                "--state-dir".into(),
+                state_dir.to_string_lossy().into_owned(),
+                "--metrics-addr".into(),
+                "127.0.0.1:0".into(),
+                // Its own bridge and subnet: never shares addresses with a demo agent.
+                "--bridge".into(),
+                "rmye2e0".into(),
+                "--subnet".into(),
+                "10.89.0.0/16".into(),
+            ],
+            env,
+            &base,
+        );
+        operator.start().unwrap();
+        agent.start().unwrap();
+        System {
+            cp,
+            client,
+            ns,
+            operator,
+            agent,
+            state_dir,
+            runsc,
+            rootfs,
+        }
+    }
+
+    pub fn apply(&self, yaml: &str) {
+        let out = self
+            .cp
+            .kubectl_run(&["apply", "-n", &self.ns.name, "-f", "-"], Some(yaml))
+            .unwrap();
+        assert!(out.success, "kubectl apply: {}", out.stderr);
+    }
+
+    pub fn sandboxes(&self) -> Api<Sandbox> {
+        Api::namespaced(self.client.clone(), &self.ns.name)
+    }
+
+    pub fn branchsets(&self) -> Api<BranchSet> {
+        Api::namespaced(self.client.clone(), &self.ns.name)
+    }
+
+    /// Runs a command in a sandbox through the agent's CLI (what `kubectl ramify exec`
+    /// does on the node).
+    pub fn exec(&self, sandbox: &str, cmd: &str) -> (i32, String) {
+        let out = Command::new(binary("ramify-node-agent").unwrap())
+            .arg("--runsc")
+            .arg(&self.runsc)
+            .args(["exec", "--state-dir"])
+            .arg(&self.state_dir)
+            .arg(format!("{}/{sandbox}", self.ns.name))
+            .args(["--", "/bin/sh", "-c", cmd])
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+
+    pub async fn wait_for<K>(
+        &self,
+        api: Api<K>,
+        name: &str,
+        what: &str,
+        secs: u64,
+        cond: impl Fn(&K) -> bool + Send + 'static,
+    ) -> K
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    {
+        match tokio::time::timeout(
+            Duration::from_secs(secs),
+            await_condition(api, name, move |o: Option<&K>| o.is_some_and(&cond)),
+        )
+        .await
+        {
+            Ok(r) => r.unwrap().unwrap(),
+            Err(_) => panic!("{name}: {what} within {secs}s\n{}", self.diagnostics()),
+        }
+    }
+
+    pub async fn wait_sandbox(
+        &self,
+        name: &str,
+        what: &str,
+        secs: u64,
+        cond: impl Fn(&Sandbox) -> bool + Send + 'static,
+    ) -> Sandbox {
+        self.wait_for(self.sandboxes(), name, what, secs, cond)
+            .await
+    }
+
+    pub async fn wait_branchset(
+        &self,
+        name: &str,
+        what: &str,
+        secs: u64,
+        cond: impl Fn(&BranchSet) -> bool + Send + 'static,
+    ) -> BranchSet {
+        self.wait_for(self.branchsets(), name, what, secs, cond)
+            .await
+    }
+
+    /// Waits until no sandbox with `label` exists any more.
+    pub async fn wait_branches_gone(&self, bs: &str, secs: u64) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        let lp = ListParams::default().labels(&format!("{LABEL_BRANCHSET}={bs}"));
+        loop {
+            let left = self.sandboxes().list(&lp).await.unwrap().items.len();
+            if left == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{left} branch sandboxes of {bs} remain\n{}",
+                self.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn diagnostics(&self) -> String {
+        let get = self
+            .cp
+            .kubectl_run(
+                &[
+                    "get",
+                    "sandboxes,snapshots,branchsets",
+                    "-n",
+                    &self.ns.name,
+                    "-o",
+                    "yaml",
+                ],
+                None,
+            )
+            .map(|o| o.stdout)
+            .unwrap_or_default();
+        format!(
+            "--- objects ---\n{get}\n--- operator log ---\n{}\n--- agent log ---\n{}",
+            self.operator.log_tail(30),
+            self.agent.log_tail(60)
+        )
+    }
+
+    /// The parent every test forks: counts in memory, keeps config on disk.
+    pub fn workspace(&self) -> String {
+        format!(
+            r#"apiVersion: ramify.dev/v1alpha1
+kind: Sandbox
+metadata:
+  name: workspace
+spec:
+  rootfs: {{path: {}}}
+  command: ["/bin/sh", "-c", "mkdir -p /work && echo mode=slow > /work/app.conf && i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done"]
+  env: [{{name: PATH, value: /bin}}]
+  resources: {{cpu: "1", memory: 256Mi}}
+"#,
+            self.rootfs.display()
+        )
+    }
+
+    pub async fn running_workspace(&self) {
+        self.apply(&self.workspace());
+        self.wait_sandbox("workspace", "Running", 120, |s| {
+            s.status
+                .as_ref()
+                .is_some_and(|st| st.phase == SandboxPhase::Running)
+        })
+        .await;
+        // The workload has written its config before anyone forks it.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.exec("workspace", "cat /work/app.conf").1 != "mode=slow" {
+            assert!(
+                Instant::now() < deadline,
+                "workspace never wrote its config"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Deletes everything and checks the node is clean: no sandbox directory, image,
+    /// runsc process or network namespace of this agent is left.
+    pub async fn teardown_and_check_clean(mut self) {
+        let dp = DeleteParams::default();
+        let _ = self
+            .branchsets()
+            .delete_collection(&dp, &ListParams::default())
+            .await;
+        let _ = self
+            .sandboxes()
+            .delete_collection(&dp, &ListParams::default())
+            .await;
+        let snaps: Api<ramify_crds::Snapshot> = Api::namespaced(self.client.clone(), &self.ns.name);
+        let _ = snaps.delete_collection(&dp, &ListParams::default()).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = self
+                .sandboxes()
+                .list(&ListParams::default())
+                .await
+                .unwrap()
+                .items
+                .len()
+                + snaps
+                    .list(&ListParams::default())
+                    .await
+                    .unwrap()
+                    .items
+                    .len();
+            if left == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "objects not cleaned up\n{}",
+                self.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let leftovers = node_leftovers(&self.state_dir);
+        assert!(
+            leftovers.is_empty(),
+            "left on the node: {leftovers:#?}\n{}",
+            self.diagnostics()
+        );
+        self.operator.kill().unwrap();
+        self.agent.kill().unwrap();
+    }
+}
+
+/// Sandboxes and images of the agent whose state is in `state_dir`, and any process
+/// that still mentions it.
+pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let sandboxes = state_dir.join("engine/sandboxes");
+    if let Ok(rd) = std::fs::read_dir(&sandboxes) {
+        for e in rd.flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            out.push(format!("sandbox directory {id}"));
+            if Path::new("/run/netns").join(&id).exists() {
+                out.push(format!("netns {id}"));
+            }
+        }
+    }
+    if let Ok(rd) = std::fs::read_dir(state_dir.join("engine/snapshots")) {
+        for e in rd.flatten() {
+            out.push(format!(
+                "snapshot image {}",
+                e.file_name().to_string_lossy()
+            ));
+        }
+    }
+    let needle = state_dir.join("engine").to_string_lossy().into_owned();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&needle) {
+                out.push(format!("process {}", e.file_name().to_string_lossy()));
+            }
+        }
+    }
+    out
+}
