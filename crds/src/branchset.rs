@@ -82,6 +82,11 @@ pub struct BranchSetSpec {
     /// Keep losing branches (aborted, frozen) for inspection instead of deleting them.
     #[serde(default)]
     pub retain_losers: bool,
+    /// The effects gate: what happens to effects branches request through
+    /// `/run/ramify/effects/` (anything a snapshot cannot undo). Losers' effects are
+    /// discarded; the winner's are released after its commit, in order, exactly once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effects: Option<EffectsSpec>,
     /// Warm pool for the automatic snapshot (when `source.sandbox` is set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 32))]
@@ -286,6 +291,10 @@ pub struct BranchSetStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub branches: Vec<BranchStatus>,
+    /// The effects gate, keyed by id (`<branch>/<file>`), in release order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["id".into()]))]
+    pub effects: Vec<EffectStatus>,
     /// When the BranchSet started forking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Time>,
@@ -388,4 +397,122 @@ pub struct BranchStatus {
     /// When the verdict was reached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Time>,
+}
+
+/// The effects gate of a BranchSet.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.executor) || (has(self.executor.webhook) != has(self.executor.job))").message("spec.effects.executor needs exactly one of webhook or job").field_path(".executor"))]
+pub struct EffectsSpec {
+    /// `None` (default): the winner's effects run right after its commit. `Required`:
+    /// they wait for `approved: true` (`kubectl ramify approve`).
+    #[serde(default)]
+    pub approval: Approval,
+    /// Set to release effects held for approval. Once true it stays true.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self || !oldSelf").message("spec.effects.approved cannot be withdrawn once given"))]
+    pub approved: bool,
+    /// Where released effects go. Without an executor they are only recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor: Option<Executor>,
+}
+
+/// Whether released effects wait for a person.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum Approval {
+    #[default]
+    None,
+    Required,
+}
+
+/// Executes released effects.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Executor {
+    /// POST each effect as JSON to this URL, with an `Idempotency-Key` header that is
+    /// the same on every retry (a receiver dedups on it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookExecutor>,
+    /// Run each effect as a Kubernetes Job (named after the BranchSet and the effect, so
+    /// it is created at most once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<JobExecutor>,
+}
+
+/// Webhook executor.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WebhookExecutor {
+    /// `http://` or `https://` URL.
+    #[x_kube(validation = Rule::new("self.startsWith('http://') || self.startsWith('https://')").message("spec.effects.executor.webhook.url must be an http:// or https:// URL"))]
+    #[schemars(length(min = 8, max = 2048))]
+    pub url: String,
+}
+
+/// Job executor: the effect's kind, payload and id reach the container as
+/// `RAMIFY_EFFECT_KIND`, `RAMIFY_EFFECT_PAYLOAD` (JSON) and `RAMIFY_EFFECT_ID`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JobExecutor {
+    /// Container image of the Job.
+    #[schemars(length(min = 1, max = 1024))]
+    pub image: String,
+    /// Command (argv) of the container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// ServiceAccount the Job runs as (the namespace's default when empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+}
+
+/// An effect a branch requested (one file in its `/run/ramify/effects/`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestedEffect {
+    /// File name, which orders a branch's effects.
+    pub name: String,
+    /// What it is (`http`, `deploy`, ...): the executor decides what it means.
+    pub kind: String,
+    /// The request's payload, as JSON text (at most 4 KiB).
+    #[serde(default)]
+    pub payload: String,
+}
+
+/// Where an effect is in the gate.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum EffectState {
+    /// Recorded; its branch has not won (yet).
+    Held,
+    /// Its branch lost, or the set ended without a winner: it never runs.
+    Discarded,
+    /// Its branch won; waiting for `spec.effects.approved`.
+    AwaitingApproval,
+    /// Released; next in line for the executor.
+    Released,
+    /// Handed to the executor; not yet confirmed.
+    Executing,
+    /// The executor accepted it.
+    Executed,
+    /// The executor refused it (see message); not retried.
+    Failed,
+}
+
+/// One effect in the gate.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EffectStatus {
+    /// `<branch>/<file name>`.
+    pub id: String,
+    pub branch: String,
+    pub kind: String,
+    #[serde(default)]
+    pub payload: String,
+    pub state: EffectState,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// The Job that runs it (Job executor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
 }

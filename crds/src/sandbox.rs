@@ -286,6 +286,9 @@ pub struct BranchOutcome {
     /// When the verdict was reached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Time>,
+    /// Effects the branch requested before its verdict (at most 64).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub effects: Vec<crate::branchset::RequestedEffect>,
 }
 
 /// A commit applied to a sandbox.

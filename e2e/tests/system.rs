@@ -516,3 +516,171 @@ async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
     assert_eq!(code, 4, "aborting twice is a wrong state");
     sys.teardown_and_check_clean().await;
 }
+
+/// A webhook receiver on loopback that records every request (idempotency key, body).
+async fn webhook_receiver() -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<(String, serde_json::Value)>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/effects", listener.local_addr().unwrap());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    // Its own thread and runtime: it outlives the test's runtime hiccups.
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener.into_std().unwrap()).unwrap();
+            loop {
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                // Headers, then Content-Length bytes of body.
+                let (head, body) = loop {
+                    let n = sock.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        break (String::new(), Vec::new());
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..i]).to_string();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse().unwrap_or(0))
+                            })
+                            .unwrap_or(0);
+                        while buf.len() < i + 4 + len {
+                            let n = sock.read(&mut chunk).await.unwrap_or(0);
+                            if n == 0 {
+                                break;
+                            }
+                            buf.extend_from_slice(&chunk[..n]);
+                        }
+                        break (head, buf[i + 4..].to_vec());
+                    }
+                };
+                let key = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("idempotency-key:")
+                            .map(|v| v.trim().to_string())
+                    })
+                    .unwrap_or_default();
+                let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+                log.lock().unwrap().push((key, json));
+                let _ = sock
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                    )
+                    .await;
+            }
+        });
+    });
+    (url, seen)
+}
+
+#[tokio::test]
+async fn the_effects_gate_releases_only_the_winners_effects_once_after_approval() {
+    let _serial = SERIAL.lock().await;
+    let mut sys = System::start("effects").await;
+    sys.running_workspace().await;
+    let (url, seen) = webhook_receiver().await;
+    sys.apply(&format!(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: gated
+spec:
+  source: {{sandbox: workspace}}
+  branches:
+    - name: win
+      run: ["/bin/sh", "-c", "echo '{{\"kind\":\"deploy\",\"payload\":{{\"n\":1}}}}' > /run/ramify/effects/01-deploy.json && echo '{{\"kind\":\"notify\",\"payload\":{{\"n\":2}}}}' > /run/ramify/effects/02-notify.json"]
+    - name: lose
+      run: ["/bin/sh", "-c", "echo '{{\"kind\":\"pay\",\"payload\":{{\"amount\":100}}}}' > /run/ramify/effects/01-pay.json; ln -s /etc/shadow /run/ramify/effects/02-evil.json; exit 1"]
+  effects:
+    approval: Required
+    executor: {{webhook: {{url: "{url}"}}}}
+  timeoutSeconds: 120
+"#
+    ));
+    let bs = sys
+        .wait_branchset("gated", "committed", 180, |b| {
+            b.status
+                .as_ref()
+                .is_some_and(|s| s.phase == BranchSetPhase::Committed && s.effects.len() >= 2)
+        })
+        .await;
+    let st = bs.status.unwrap();
+    let state = |id: &str| st.effects.iter().find(|e| e.id == id).map(|e| e.state);
+    use ramify_crds::EffectState;
+    assert_eq!(
+        state("win/01-deploy.json"),
+        Some(EffectState::AwaitingApproval),
+        "{:#?}",
+        st.effects
+    );
+    assert_eq!(
+        state("win/02-notify.json"),
+        Some(EffectState::AwaitingApproval)
+    );
+    // The loser's effect was recorded (it finished before the winner was chosen) or not
+    // at all (it was invalidated first); either way it never runs.
+    assert!(
+        matches!(
+            state("lose/01-pay.json"),
+            None | Some(EffectState::Discarded)
+        ),
+        "{:#?}",
+        st.effects
+    );
+    assert!(
+        state("lose/02-evil.json").is_none(),
+        "a symlink is never an effect"
+    );
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "nothing runs before approval"
+    );
+
+    // Approve (what `kubectl ramify approve gated` does): both run, in order, once.
+    let (code, _, err) = plugin(&sys, &["approve", "gated"]);
+    assert_eq!(code, 0, "{err}");
+    let done = sys
+        .wait_branchset("gated", "effects executed", 60, |b| {
+            b.status.as_ref().is_some_and(|s| {
+                s.effects
+                    .iter()
+                    .filter(|e| e.branch == "win")
+                    .all(|e| e.state == EffectState::Executed)
+            })
+        })
+        .await;
+    let calls = seen.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2, "{calls:#?}");
+    assert_eq!(calls[0].1["kind"], "deploy");
+    assert_eq!(calls[1].1["kind"], "notify");
+    assert_eq!(calls[0].1["payload"]["n"], 1);
+    let uid = done.metadata.uid.clone().unwrap();
+    assert_eq!(calls[0].0, format!("{uid}/win/01-deploy.json"));
+
+    // A restarted operator re-reads everything and runs nothing again.
+    sys.operator.kill().unwrap();
+    sys.operator.start().unwrap();
+    sys.apply(&try_fixes(""));
+    sys.wait_branchset("try-fixes", "ended", 180, committed)
+        .await;
+    assert_eq!(seen.lock().unwrap().len(), 2, "no effect ran twice");
+    let (code, _, _) = plugin(&sys, &["approve", "gated"]);
+    assert_eq!(code, 4, "approving twice is a wrong state");
+    sys.teardown_and_check_clean().await;
+}

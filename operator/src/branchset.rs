@@ -83,31 +83,21 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
 
     // Write the status first: the winner is decided by this write succeeding.
     let old = bs.status.clone().unwrap_or_default();
+    let mut resource_version = bs.resource_version();
     if plan.status != old {
-        let body = json!({
-            "apiVersion": "ramify.dev/v1alpha1",
-            "kind": "BranchSet",
-            "metadata": {"resourceVersion": bs.resource_version()},
-            "status": plan.status,
-        });
-        let api: Api<BranchSet> = Api::namespaced(ctx.client.clone(), &ns);
-        match api
-            .patch_status(
-                &name,
-                &PatchParams::apply(STATUS_MANAGER).force(),
-                &Patch::Apply(&body),
-            )
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 409 => {
+        match write_status(ctx, bs, resource_version.clone(), &plan.status).await {
+            Ok(rv) => resource_version = rv,
+            Err(e) if e.is_conflict() => {
                 if old.winner.is_none() && plan.status.winner.is_some() {
                     ctx.metrics.commit_conflicts.inc();
                 }
-                return Err(Error::Conflict(format!("branchset {name}")));
+                return Err(e);
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         }
+    }
+    if let Some(action) = release_next_effect(ctx, bs, resource_version, &plan.status).await? {
+        return Ok(action);
     }
     crate::metrics::set_phase(
         &ctx.metrics,
@@ -233,4 +223,110 @@ async fn bind_branch(api: &Api<Sandbox>, sbx: &Sandbox) -> Result<()> {
     )
     .await?;
     Ok(())
+}
+
+/// Writes the whole status, guarded by `resource_version`; returns the new one.
+async fn write_status(
+    ctx: &Context,
+    bs: &BranchSet,
+    resource_version: Option<String>,
+    status: &ramify_crds::BranchSetStatus,
+) -> Result<Option<String>> {
+    let body = json!({
+        "apiVersion": "ramify.dev/v1alpha1",
+        "kind": "BranchSet",
+        "metadata": {"resourceVersion": resource_version},
+        "status": status,
+    });
+    let api: Api<BranchSet> =
+        Api::namespaced(ctx.client.clone(), &bs.namespace().unwrap_or_default());
+    match api
+        .patch_status(
+            &bs.name_any(),
+            &PatchParams::apply(STATUS_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+    {
+        Ok(obj) => Ok(obj.resource_version()),
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            Err(Error::Conflict(format!("branchset {}", bs.name_any())))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Executes the next released effect, one per reconcile: it is marked `Executing` (a
+/// guarded write: one operator owns it) before the executor runs, and `Executed` or
+/// `Failed` after. An operator that dies in between finds it `Executing` and runs it
+/// again with the same identity (Job name, idempotency key), so it happens once.
+async fn release_next_effect(
+    ctx: &Context,
+    bs: &BranchSet,
+    resource_version: Option<String>,
+    status: &ramify_crds::BranchSetStatus,
+) -> Result<Option<Action>> {
+    let Some(executor) = bs.spec.effects.as_ref().and_then(|e| e.executor.clone()) else {
+        return Ok(None);
+    };
+    let Some(next) = plan::next_effect(status).cloned() else {
+        return Ok(None);
+    };
+    let mut st = status.clone();
+    let mut rv = resource_version;
+    if next.state == ramify_crds::EffectState::Released {
+        set_effect(
+            &mut st,
+            &next.id,
+            ramify_crds::EffectState::Executing,
+            "handed to the executor".into(),
+            None,
+        );
+        rv = write_status(ctx, bs, rv, &st).await?;
+    }
+    let outcome = crate::effects::execute(&ctx.client, bs, &executor, &next).await;
+    let (state, message, job, requeue) = match outcome {
+        crate::effects::Outcome::Executed { message, job } => (
+            ramify_crds::EffectState::Executed,
+            message,
+            job,
+            Duration::ZERO,
+        ),
+        crate::effects::Outcome::Refused(m) => {
+            (ramify_crds::EffectState::Failed, m, None, Duration::ZERO)
+        }
+        crate::effects::Outcome::Retry(m) => (
+            ramify_crds::EffectState::Executing,
+            format!("will retry: {m}"),
+            None,
+            Duration::from_secs(2),
+        ),
+    };
+    let warning = state == ramify_crds::EffectState::Failed;
+    set_effect(&mut st, &next.id, state, message.clone(), job);
+    write_status(ctx, bs, rv, &st).await?;
+    ctx.event(
+        &bs.object_ref(&()),
+        warning,
+        "Effect",
+        format!("{}: {message}", next.id),
+    )
+    .await;
+    Ok(Some(Action::requeue(requeue.max(Duration::from_millis(1)))))
+}
+
+fn set_effect(
+    st: &mut ramify_crds::BranchSetStatus,
+    id: &str,
+    state: ramify_crds::EffectState,
+    message: String,
+    job: Option<String>,
+) {
+    if let Some(e) = st.effects.iter_mut().find(|e| e.id == id) {
+        e.state = state;
+        e.message = message;
+        if job.is_some() {
+            e.job = job;
+        }
+    }
 }

@@ -4,6 +4,7 @@
 
 pub mod branchset;
 pub mod context;
+pub mod effects;
 pub mod error;
 pub mod leader;
 pub mod metrics;

@@ -13,11 +13,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference,
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
 use ramify_crds::{
-    ANNOTATION_ABORT, BranchPhase, BranchRef, BranchSet, BranchSetPhase, BranchSetStatus,
+    ANNOTATION_ABORT, Approval, BranchPhase, BranchRef, BranchSet, BranchSetPhase, BranchSetStatus,
     BranchSource, BranchStatus, CommitStatus, Condition, ConditionStatus, ConditionsExt,
-    FINALIZER_NODE_CLEANUP, LABEL_BRANCH, LABEL_BRANCHSET, Policy, RestoreFrom, Sandbox,
-    SandboxPhase, SandboxSpec, Snapshot, SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec,
-    VerdictValue, WarmPool,
+    EffectState, EffectStatus, FINALIZER_NODE_CLEANUP, LABEL_BRANCH, LABEL_BRANCHSET, Policy,
+    RestoreFrom, Sandbox, SandboxPhase, SandboxSpec, Snapshot, SnapshotMode, SnapshotPhase,
+    SnapshotSource, SnapshotSpec, VerdictValue, WarmPool,
 };
 
 /// Condition types of a BranchSet.
@@ -123,8 +123,19 @@ fn set(
         .set_condition(Condition::new(type_, s, reason, msg, generation), Time(now));
 }
 
-/// Computes the next step.
+/// Computes the next step: the state machine, then the effects gate.
 pub fn plan(obs: &Observed<'_>) -> Plan {
+    let mut p = plan_lifecycle(obs);
+    let by_branch: BTreeMap<&str, &Sandbox> = obs
+        .branches
+        .iter()
+        .filter_map(|s| Some((s.metadata.labels.as_ref()?.get(LABEL_BRANCH)?.as_str(), s)))
+        .collect();
+    gate(obs.bs, &by_branch, &mut p.status);
+    p
+}
+
+fn plan_lifecycle(obs: &Observed<'_>) -> Plan {
     let bs = obs.bs;
     let name = bs.metadata.name.clone().unwrap_or_default();
     let generation = bs.metadata.generation;
@@ -556,6 +567,79 @@ pub fn plan(obs: &Observed<'_>) -> Plan {
         }
     }
     p
+}
+
+/// Records the effects branches requested and moves them through the gate: held
+/// until their branch wins, discarded when it loses or the set ends without a winner,
+/// released after the winner's commit (after approval when required). Executing them
+/// is the reconciler's job (I/O); this only decides states.
+pub fn gate(bs: &BranchSet, branches: &BTreeMap<&str, &Sandbox>, status: &mut BranchSetStatus) {
+    for (branch, sbx) in branches {
+        let requested = sbx
+            .status
+            .as_ref()
+            .and_then(|s| s.branch.as_ref())
+            .map(|o| o.effects.clone())
+            .unwrap_or_default();
+        for e in requested {
+            let id = format!("{branch}/{}", e.name);
+            if !status.effects.iter().any(|x| x.id == id) {
+                status.effects.push(EffectStatus {
+                    id,
+                    branch: branch.to_string(),
+                    kind: e.kind,
+                    payload: e.payload,
+                    state: EffectState::Held,
+                    message: String::new(),
+                    job: None,
+                });
+            }
+        }
+    }
+    // Release order: by branch, then by the file names the branch chose.
+    status.effects.sort_by(|a, b| a.id.cmp(&b.id));
+    let spec = bs.spec.effects.clone().unwrap_or_default();
+    let approved = spec.approval == Approval::None || spec.approved;
+    let winner = status.winner.clone();
+    for e in &mut status.effects {
+        let won = winner.as_deref() == Some(e.branch.as_str());
+        e.state = match (status.phase, e.state) {
+            (BranchSetPhase::Committed, EffectState::Held | EffectState::AwaitingApproval)
+                if won =>
+            {
+                if approved {
+                    EffectState::Released
+                } else {
+                    EffectState::AwaitingApproval
+                }
+            }
+            (BranchSetPhase::Committed | BranchSetPhase::Committing, EffectState::Held)
+                if !won && winner.is_some() =>
+            {
+                EffectState::Discarded
+            }
+            (
+                BranchSetPhase::Exhausted | BranchSetPhase::Failed,
+                EffectState::Held | EffectState::AwaitingApproval,
+            ) => EffectState::Discarded,
+            (_, s) => s,
+        };
+    }
+}
+
+/// The next effect to execute, in order: effects run one at a time, and an effect
+/// waits for every earlier one of its branch to finish.
+pub fn next_effect(status: &BranchSetStatus) -> Option<&EffectStatus> {
+    status
+        .effects
+        .iter()
+        .find(|e| {
+            matches!(
+                e.state,
+                EffectState::Released | EffectState::Executing | EffectState::AwaitingApproval
+            )
+        })
+        .filter(|e| matches!(e.state, EffectState::Released | EffectState::Executing))
 }
 
 /// The branch with the earliest commit verdict (ties: the name that sorts first).

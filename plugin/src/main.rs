@@ -104,6 +104,8 @@ enum Cmd {
     Commit { branchset: String, branch: String },
     /// End a BranchSet without a winner (its branches are discarded).
     Abort { branchset: String },
+    /// Release the winner's effects held for approval (`spec.effects.approval: Required`).
+    Approve { branchset: String },
     /// Wait until a BranchSet ends; exit 0 if it committed, 1 if not.
     Wait {
         branchset: String,
@@ -334,6 +336,29 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 )
                 .await?;
             println!("branchset.ramify.dev/{branchset}: aborting");
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Approve { branchset } => {
+            let bs = get_branchset(&branchsets, &branchset).await?;
+            let fx = bs.spec.effects.clone().unwrap_or_default();
+            if fx.approval != ramify_crds::Approval::Required {
+                return Err(Error::WrongState(format!(
+                    "branchset {branchset} does not require approval for its effects"
+                )));
+            }
+            if fx.approved {
+                return Err(Error::WrongState(format!(
+                    "branchset {branchset} is already approved"
+                )));
+            }
+            branchsets
+                .patch(
+                    &branchset,
+                    &PatchParams::default(),
+                    &Patch::Merge(&json!({"spec": {"effects": {"approved": true}}})),
+                )
+                .await?;
+            println!("branchset.ramify.dev/{branchset}: effects approved");
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Wait { branchset, timeout } => {

@@ -160,6 +160,34 @@ pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Cidr>> {
     }
 }
 
+/// Most effects recorded per branch, and the largest payload kept per effect.
+const MAX_RECORDED_EFFECTS: usize = 64;
+const MAX_EFFECT_PAYLOAD: usize = 4096;
+
+/// The effects a control-directory scan found, bounded, in file-name order. Rejected
+/// files (hostile or malformed) are not effects: they are logged, never executed.
+pub fn requested_effects(scan: &crate::control::ControlScan) -> Vec<ramify_crds::RequestedEffect> {
+    for r in &scan.rejected {
+        warn!(rejected = %r, "ignoring a control file");
+    }
+    scan.effects
+        .iter()
+        .take(MAX_RECORDED_EFFECTS)
+        .map(|e| {
+            let payload = e.payload.to_string();
+            ramify_crds::RequestedEffect {
+                name: e.file.clone(),
+                kind: e.kind.chars().take(64).collect(),
+                payload: if payload.len() > MAX_EFFECT_PAYLOAD {
+                    String::from("\"(payload over 4 KiB dropped)\"")
+                } else {
+                    payload
+                },
+            }
+        })
+        .collect()
+}
+
 /// `runsc version release-20260527.0` -> `release-20260527.0` (for status).
 pub fn short_version(v: &str) -> &str {
     v.trim_start_matches("runsc version ").trim()
@@ -965,7 +993,18 @@ impl Agent {
     ) -> Result<()> {
         let api: Api<SandboxObj> =
             Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        // The effects gate records what the branch asked for up to its verdict.
+        let effects = match obj.uid().and_then(|u| self.handle(&u)) {
+            Some(h) => {
+                let g = h.lock().await;
+                g.as_ref()
+                    .map(|sb| requested_effects(&self.engine.control(sb)))
+                    .unwrap_or_default()
+            }
+            None => Vec::new(),
+        };
         let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {"branch": {
+            "effects": effects,
             "exitCode": exit_code,
             "verdict": verdict,
             "reason": reason,
