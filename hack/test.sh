@@ -42,15 +42,16 @@ cargo test --workspace --locked -- --include-ignored 2>&1 | tee -a "$results"
 step "node agent again on the current runsc ($("$current_runsc" --version | head -1))"
 RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --include-ignored 2>&1 | tee -a "$results"
 
+# Its own ports, so a demo already running on this machine does not collide.
 step "the demo end to end (make demo), checked for a committed winner"
 demo_log="$(mktemp)"
-if ! env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh >"$demo_log" 2>&1; then
-  cat "$demo_log"; env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down || true; exit 1
+if ! env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh >"$demo_log" 2>&1; then
+  cat "$demo_log"; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1
 fi
 tail -n 12 "$demo_log"
-grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down || true; exit 1; }
-grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down || true; exit 1; }
-env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh down
+grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1; }
+grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1; }
+env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down
 echo "test result: ok. 1 passed; 0 failed; 0 ignored (make demo)" >>"$results"
 
 # One closing line for the whole run.

@@ -161,6 +161,36 @@ impl ControlPlane {
     }
 }
 
+impl ControlPlane {
+    /// SIGKILLs the kube-apiserver (a crash, not a shutdown).
+    pub fn kill_apiserver(&self) -> Result<(), HarnessError> {
+        let pid = std::fs::read_to_string(self.dir.join("run/kube-apiserver.pid"))?;
+        let status = Command::new("kill").args(["-9", pid.trim()]).status()?;
+        if !status.success() {
+            return Err(HarnessError::ControlPlane(format!(
+                "kill -9 {} failed",
+                pid.trim()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Brings the control plane back after a crash (same certificates, same etcd data).
+    pub fn recover(&self) -> Result<(), HarnessError> {
+        let up = Command::new(repo_root().join("hack/controlplane/up.sh"))
+            .env("RAMIFY_CP_DIR", &self.dir)
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !up.status.success() {
+            return Err(HarnessError::ControlPlane(
+                "hack/controlplane/up.sh failed to recover".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// What a kubectl run printed.
 #[derive(Debug, Clone)]
 pub struct KubectlOutput {

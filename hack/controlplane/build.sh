@@ -8,7 +8,8 @@ K8S_VERSION="v1.36.3"
 ETCD_VERSION="v3.6.8"
 cache="${RAMIFY_CACHE:-$HOME/.cache/ramify}"
 out="$cache/controlplane-$K8S_VERSION-etcd-$ETCD_VERSION"
-stamp="$out/.complete-$(sha256sum "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)"
+# The stamp hashes file contents only, so checkouts in other directories share the cache.
+stamp="$out/.complete-$(cat "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" ]]; then echo "$out"; exit 0; fi
 mkdir -p "$out"
 minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"

@@ -11,7 +11,8 @@ CLIENT_GO_VERSION="$(mod_version k8s.io/client-go)"
 [[ -n "$HELM_VERSION" && -n "$CLIENT_GO_VERSION" ]] || { echo "helm: cannot read versions from $here/go.mod" >&2; exit 1; }
 cache="${RAMIFY_CACHE:-$HOME/.cache/ramify}"
 out="$cache/helm-$HELM_VERSION"
-stamp="$out/.complete-$(sha256sum "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)"
+# The stamp hashes file contents only, so checkouts in other directories share the cache.
+stamp="$out/.complete-$(cat "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && -x "$out/helm" ]]; then echo "$out/helm"; exit 0; fi
 mkdir -p "$out"
 # What upstream's Makefile stamps for a release build: the version (otherwise

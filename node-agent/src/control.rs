@@ -24,6 +24,13 @@ pub const MAX_EFFECT_BYTES: u64 = 64 * 1024;
 pub const MAX_EFFECTS: usize = 256;
 
 /// Written by the agent; a fresh one for every sandbox and every fork.
+///
+/// What a restored branch must re-derive from it: a snapshot copies the memory of every
+/// process, so anything a process computed before the snapshot (random buffers, UUIDs,
+/// TLS session keys, a hostname it cached) is identical in every branch. `/dev/urandom`
+/// and `getrandom(2)` read after the restore are fresh in each branch (gVisor draws them
+/// from the host on every read; `tests/identity.rs` proves it), but only the workload can
+/// throw away what it drew before. `seed` and `uid` are the per-branch values to mix in.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
     /// Branch (or sandbox) name.
@@ -36,6 +43,15 @@ pub struct Identity {
     pub generation: u64,
     /// The snapshot this sandbox was restored from, if any.
     pub snapshot: Option<String>,
+    /// 32 bytes from the host's CSPRNG (hex), fresh for every identity issued: a seed
+    /// for a workload that must reseed its own generators after a fork.
+    #[serde(default)]
+    pub seed: String,
+    /// The hostname the agent gave this sandbox (a restored branch gets its own, derived
+    /// from its sandbox id); None when it could not be set and the branch still carries
+    /// the hostname captured in the snapshot.
+    #[serde(default)]
+    pub hostname: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,13 +126,13 @@ pub fn valid_effect_name(name: &str) -> bool {
 
 pub fn parse_effect(name: &str, bytes: &[u8]) -> Result<Effect, Rejected> {
     if !valid_effect_name(name) {
-        return Err(Rejected::BadName(name.into()));
+        return Err(Rejected::BadName(shown(name)));
     }
     if bytes.len() as u64 > MAX_EFFECT_BYTES {
         return Err(Rejected::TooLarge(name.into(), MAX_EFFECT_BYTES));
     }
     let mut e: Effect = serde_json::from_slice(bytes)
-        .map_err(|err| Rejected::Malformed(name.into(), err.to_string()))?;
+        .map_err(|err| Rejected::Malformed(name.into(), shown(&err.to_string())))?;
     if e.kind.is_empty()
         || e.kind.len() > 64
         || !e
@@ -145,48 +161,141 @@ pub struct ControlScan {
     pub rejected: Vec<Rejected>,
 }
 
+/// Longest name or excerpt of workload-chosen text copied into a rejection (these end
+/// up in logs and Kubernetes status).
+const MAX_SHOWN: usize = 80;
+
+/// A workload-chosen name made safe to report: control characters escaped, truncated.
+fn shown(name: &str) -> String {
+    let mut out: String = name.escape_debug().take(MAX_SHOWN).collect();
+    if name.escape_debug().nth(MAX_SHOWN).is_some() {
+        out.push_str("...");
+    }
+    out
+}
+
+/// A single path component: no separator, not `.`/`..`, no NUL, not empty.
+fn plain_component(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
+}
+
+/// A directory opened once with `O_NOFOLLOW`; names inside it are then resolved
+/// relative to that open descriptor (through `/proc/self/fd/N`), so a workload that
+/// swaps the directory for a symlink after we opened it cannot redirect later reads
+/// (the old code re-resolved `dir/effects/x` by path each time: a swap of `effects` for
+/// a symlink between the check and the read would have read another directory).
+struct OpenDir {
+    _file: fs::File,
+    base: std::path::PathBuf,
+}
+
+impl OpenDir {
+    fn open(path: &Path) -> std::io::Result<OpenDir> {
+        use std::os::fd::AsRawFd;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)?;
+        let base = std::path::PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        Ok(OpenDir { _file: file, base })
+    }
+
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.base.join(name)
+    }
+}
+
 /// Read at most `max` bytes of `dir/name`, refusing symlinks and non-regular files.
-/// O_NOFOLLOW makes the open itself refuse a symlink, so a swap between the
-/// metadata check and the open cannot redirect us.
+/// `name` must be one plain component. O_NOFOLLOW makes the open itself refuse a
+/// symlink, so a swap between the metadata check and the open cannot redirect us;
+/// O_NONBLOCK keeps a FIFO swapped in at that moment from blocking the open.
 pub fn read_bounded(dir: &Path, name: &str, max: u64) -> Result<Option<Vec<u8>>, Rejected> {
-    let path = dir.join(name);
+    if !plain_component(name) {
+        return Err(Rejected::BadName(shown(name)));
+    }
+    let d = match OpenDir::open(dir) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(Rejected::NotRegular(shown(&dir.to_string_lossy())));
+        }
+        Err(e) => return Err(Rejected::Unreadable(shown(name), e.to_string())),
+    };
+    read_in(&d, name, max)
+}
+
+fn read_in(d: &OpenDir, name: &str, max: u64) -> Result<Option<Vec<u8>>, Rejected> {
+    let path = d.path(name);
     let meta = match fs::symlink_metadata(&path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Rejected::Unreadable(name.into(), e.to_string())),
+        Err(e) => return Err(Rejected::Unreadable(shown(name), e.to_string())),
     };
     if !meta.file_type().is_file() {
-        return Err(Rejected::NotRegular(name.into()));
+        return Err(Rejected::NotRegular(shown(name)));
     }
     if meta.len() > max {
-        return Err(Rejected::TooLarge(name.into(), max));
+        return Err(Rejected::TooLarge(shown(name), max));
     }
-    let f = fs::OpenOptions::new()
+    let f = match fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
         .open(&path)
-        .map_err(|e| Rejected::Unreadable(name.into(), e.to_string()))?;
+    {
+        Ok(f) => f,
+        // Swapped for a symlink (ELOOP) or a socket (ENXIO) since the lstat.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENXIO)) => {
+            return Err(Rejected::NotRegular(shown(name)));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Rejected::Unreadable(shown(name), e.to_string())),
+    };
     let fmeta = f
         .metadata()
-        .map_err(|e| Rejected::Unreadable(name.into(), e.to_string()))?;
+        .map_err(|e| Rejected::Unreadable(shown(name), e.to_string()))?;
     if !fmeta.file_type().is_file() {
-        return Err(Rejected::NotRegular(name.into()));
+        return Err(Rejected::NotRegular(shown(name)));
     }
     let mut buf = Vec::new();
     f.take(max + 1)
         .read_to_end(&mut buf)
-        .map_err(|e| Rejected::Unreadable(name.into(), e.to_string()))?;
+        .map_err(|e| Rejected::Unreadable(shown(name), e.to_string()))?;
     if buf.len() as u64 > max {
-        return Err(Rejected::TooLarge(name.into(), max));
+        return Err(Rejected::TooLarge(shown(name), max));
     }
     Ok(Some(buf))
 }
 
+/// Most rejections recorded per scan (a hostile directory cannot grow the report).
+pub const MAX_REJECTED: usize = 64;
+
 /// Scan a control directory from the host side. Never fails: problems are reported
-/// in `rejected` and the offending file is ignored.
+/// in `rejected` and the offending file is ignored. Bounded: at most
+/// [`MAX_EFFECTS`] + 1 directory entries are looked at, at most [`MAX_EFFECTS`] files
+/// of at most [`MAX_EFFECT_BYTES`] read, at most [`MAX_REJECTED`] rejections kept.
 pub fn scan(dir: &Path) -> ControlScan {
     let mut out = ControlScan::default();
-    match read_bounded(dir, VERDICT_FILE, MAX_VERDICT_BYTES) {
+    scan_into(dir, &mut out);
+    if out.rejected.len() > MAX_REJECTED {
+        out.rejected.truncate(MAX_REJECTED - 1);
+        out.rejected.push(Rejected::TooMany(MAX_EFFECTS));
+    }
+    out
+}
+
+fn scan_into(dir: &Path, out: &mut ControlScan) {
+    let d = match OpenDir::open(dir) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+        Err(e) => {
+            out.rejected.push(Rejected::Unreadable(
+                "control directory".into(),
+                e.to_string(),
+            ));
+            return;
+        }
+    };
+    match read_in(&d, VERDICT_FILE, MAX_VERDICT_BYTES) {
         Ok(Some(b)) => match parse_verdict(&b) {
             Ok(v) => out.verdict = Some(v),
             Err(r) => out.rejected.push(r),
@@ -194,79 +303,145 @@ pub fn scan(dir: &Path) -> ControlScan {
         Ok(None) => {}
         Err(r) => out.rejected.push(r),
     }
-    let effects = dir.join(EFFECTS_DIR);
-    match fs::symlink_metadata(&effects) {
+    match fs::symlink_metadata(d.path(EFFECTS_DIR)) {
         Ok(m) if m.file_type().is_dir() => {}
         Ok(_) => {
             out.rejected.push(Rejected::NotRegular(EFFECTS_DIR.into()));
-            return out;
+            return;
         }
-        Err(_) => return out,
+        Err(_) => return,
     }
-    let entries = match fs::read_dir(&effects) {
+    let effects = match OpenDir::open(&d.path(EFFECTS_DIR)) {
+        Ok(e) => e,
+        Err(e)
+            if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::ENOTDIR) =>
+        {
+            out.rejected.push(Rejected::NotRegular(EFFECTS_DIR.into()));
+            return;
+        }
+        Err(e) => {
+            out.rejected
+                .push(Rejected::Unreadable(EFFECTS_DIR.into(), e.to_string()));
+            return;
+        }
+    };
+    let entries = match fs::read_dir(&effects.base) {
         Ok(e) => e,
         Err(e) => {
             out.rejected
                 .push(Rejected::Unreadable(EFFECTS_DIR.into(), e.to_string()));
-            return out;
+            return;
         }
     };
     let mut names: Vec<String> = Vec::new();
-    for entry in entries.flatten() {
+    // Every entry counts toward the bound, good names or not: a directory of a million
+    // non-UTF-8 names must not make one scan walk (and report) all of them.
+    for (seen, entry) in entries.enumerate() {
+        if seen >= MAX_EFFECTS {
+            out.rejected.push(Rejected::TooMany(MAX_EFFECTS));
+            break;
+        }
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) => {
+                out.rejected
+                    .push(Rejected::Unreadable(EFFECTS_DIR.into(), e.to_string()));
+                break;
+            }
+        };
         match entry.file_name().into_string() {
             Ok(n) => names.push(n),
             Err(raw) => out
                 .rejected
-                .push(Rejected::BadName(raw.to_string_lossy().into_owned())),
-        }
-        if names.len() > MAX_EFFECTS {
-            out.rejected.push(Rejected::TooMany(MAX_EFFECTS));
-            break;
+                .push(Rejected::BadName(shown(&raw.to_string_lossy()))),
         }
     }
     names.sort();
-    names.truncate(MAX_EFFECTS);
     for name in names {
         if !valid_effect_name(&name) {
-            out.rejected.push(Rejected::BadName(name));
+            out.rejected.push(Rejected::BadName(shown(&name)));
             continue;
         }
-        match read_bounded(&effects, &name, MAX_EFFECT_BYTES) {
+        match read_in(&effects, &name, MAX_EFFECT_BYTES) {
             Ok(Some(b)) => match parse_effect(&name, &b) {
                 Ok(e) => out.effects.push(e),
                 Err(r) => out.rejected.push(r),
             },
+            // Deleted between the listing and the read: nothing to report.
             Ok(None) => {}
             Err(r) => out.rejected.push(r),
         }
     }
-    out
+}
+
+/// Make `p` a real directory: whatever the workload put there instead (a symlink, a
+/// file, a FIFO) is removed, never followed.
+fn ensure_real_dir(p: &Path) -> std::io::Result<()> {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.file_type().is_dir() => return Ok(()),
+        Ok(_) => fs::remove_file(p)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    fs::create_dir(p)
+}
+
+/// Remove whatever is at `p` without following it (a directory with its contents).
+fn remove_entry(p: &Path) -> std::io::Result<()> {
+    match fs::symlink_metadata(p) {
+        // remove_dir_all does not follow symlinks inside the tree.
+        Ok(m) if m.file_type().is_dir() => fs::remove_dir_all(p),
+        Ok(_) => fs::remove_file(p),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Prepare a control directory and write its identity atomically (rename), so a
 /// workload never reads half a file. Verified with runsc 20221219: a restored sandbox
 /// reads the identity of its own control directory, not a cached copy of its parent's.
+///
+/// The directory may already hold what a workload left (warm-pool claim, commit Full):
+/// the temporary file has an unpredictable name and is created with
+/// `O_CREAT|O_EXCL|O_NOFOLLOW`, so a planted `.identity.tmp -> /etc/passwd` symlink can
+/// no longer make the agent (root) overwrite a host file; an `effects` or `identity`
+/// that is not what it should be is replaced, not followed.
 pub fn write_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
-    fs::create_dir_all(dir.join(EFFECTS_DIR))?;
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    fs::create_dir_all(dir)?;
+    ensure_real_dir(&dir.join(EFFECTS_DIR))?;
     let mut bytes = serde_json::to_vec(id).map_err(std::io::Error::other)?;
     bytes.push(b'\n');
-    let tmp = dir.join(".identity.tmp");
-    fs::write(&tmp, &bytes)?;
-    fs::rename(&tmp, dir.join(IDENTITY_FILE))
+    let tmp = dir.join(format!(".identity.{}.tmp", uuid::Uuid::new_v4().simple()));
+    let written = (|| {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)?;
+        f.write_all(&bytes)?;
+        drop(f);
+        let target = dir.join(IDENTITY_FILE);
+        if fs::symlink_metadata(&target).is_ok_and(|m| m.file_type().is_dir()) {
+            fs::remove_dir_all(&target)?;
+        }
+        fs::rename(&tmp, &target)
+    })();
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Remove what a workload left (verdict, effects) before a directory is reused.
+/// Symlinks are removed, never followed.
 pub fn clear_outputs(dir: &Path) -> std::io::Result<()> {
-    match fs::remove_file(dir.join(VERDICT_FILE)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
+    remove_entry(&dir.join(VERDICT_FILE))?;
     let effects = dir.join(EFFECTS_DIR);
-    if effects.exists() {
-        fs::remove_dir_all(&effects)?;
-    }
-    fs::create_dir_all(effects)
+    remove_entry(&effects)?;
+    fs::create_dir(effects)
 }
 
 #[cfg(test)]
@@ -375,6 +550,8 @@ mod tests {
             uid: "u".into(),
             generation: 7,
             snapshot: Some("s".into()),
+            seed: "00".repeat(32),
+            hostname: Some("h".into()),
         };
         write_identity(d.path(), &id).unwrap();
         let back: Identity =

@@ -29,20 +29,73 @@ grep -v '\\' "$L" | tr '\n' '\0' | xargs -0 -r stat -c 'S %s %n'
 grep -v '\\' "$L" | tr '\n' '\0' | xargs -0 -r sha256sum | sed 's/^\([0-9a-f]*\)  /H \1 /'
 rm -f "$L""#;
 
-/// Parse the output of [`MANIFEST_SCRIPT`]. Returns the manifest and skipped paths.
+/// Longest path accepted in a manifest (Linux PATH_MAX).
+pub const MAX_PATH: usize = 4096;
+/// Most skipped paths reported per manifest (the rest are counted, not listed).
+pub const MAX_SKIPPED: usize = 100;
+
+/// A path a commit may touch: absolute, normalised (no empty, `.` or `..` component,
+/// no trailing slash), no control character or backslash, at most [`MAX_PATH`] bytes.
+/// The manifest is produced inside the winner by its own `find`, `stat` and `sha256sum`,
+/// which the workload may have replaced: every path in it is hostile input, and a
+/// glob like `/work/**` would happily match `/work/../etc/shadow`.
+pub fn valid_path(p: &str) -> bool {
+    p.len() <= MAX_PATH
+        && p.len() > 1
+        && p.starts_with('/')
+        && !p.bytes().any(|b| b < 0x20 || b == 0x7f || b == b'\\')
+        && p[1..]
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..")
+}
+
+/// A hostile path made safe to report: control characters escaped, at most 200 chars.
+fn shown(p: &str) -> String {
+    let mut s = String::new();
+    for c in p.chars() {
+        if s.len() >= 200 {
+            s.push_str("...");
+            break;
+        }
+        if c.is_control() {
+            s.extend(c.escape_default());
+        } else {
+            s.push(c);
+        }
+    }
+    s
+}
+
+/// Parse the output of [`MANIFEST_SCRIPT`]. Returns the manifest and skipped paths
+/// (paths the script could not represent, and paths that fail [`valid_path`]: never
+/// promoted, always reported, at most [`MAX_SKIPPED`] listed).
 pub fn parse_manifest(out: &str) -> Result<(Manifest, Vec<String>)> {
     let mut sizes: BTreeMap<String, u64> = BTreeMap::new();
     let mut hashes: BTreeMap<String, String> = BTreeMap::new();
     let mut skipped = Vec::new();
+    let mut skipped_more = 0usize;
+    let mut skip = |p: &str| {
+        let p = shown(p);
+        if skipped.contains(&p) {
+        } else if skipped.len() < MAX_SKIPPED {
+            skipped.push(p);
+        } else {
+            skipped_more += 1;
+        }
+    };
     for line in out.lines() {
-        let bad = || Error::Invalid(format!("manifest line not understood: {line:?}"));
+        let bad = || Error::Invalid(format!("manifest line not understood: {:?}", shown(line)));
         let (kind, rest) = line.split_once(' ').ok_or_else(bad)?;
         match kind {
-            "X" => skipped.push(rest.to_string()),
+            "X" => skip(rest),
             "S" | "H" => {
                 let (val, path) = rest.split_once(' ').ok_or_else(bad)?;
                 if !path.starts_with('/') {
                     return Err(bad());
+                }
+                if !valid_path(path) {
+                    skip(path);
+                    continue;
                 }
                 if kind == "S" {
                     sizes.insert(path.into(), val.parse().map_err(|_| bad())?);
@@ -55,6 +108,9 @@ pub fn parse_manifest(out: &str) -> Result<(Manifest, Vec<String>)> {
             }
             _ => return Err(bad()),
         }
+    }
+    if skipped_more > 0 {
+        skipped.push(format!("... and {skipped_more} more"));
     }
     let mut m = Manifest::new();
     for (path, size) in sizes {
@@ -109,6 +165,130 @@ pub fn globset(globs: &[String]) -> Result<GlobSet> {
         b.add(Glob::new(g).map_err(|e| Error::Invalid(format!("bad glob {g:?}: {e}")))?);
     }
     b.build().map_err(|e| Error::Invalid(e.to_string()))
+}
+
+/// Largest single file or long-name record a commit tarball may carry.
+const MAX_LONGNAME: u64 = MAX_PATH as u64;
+
+fn tar_str(field: &[u8]) -> &[u8] {
+    let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+    &field[..end]
+}
+
+fn tar_octal(field: &[u8]) -> Option<u64> {
+    let s = std::str::from_utf8(tar_str(field)).ok()?;
+    let s = s.trim_matches(|c: char| c == ' ' || c == '\0');
+    if s.is_empty() {
+        return Some(0);
+    }
+    u64::from_str_radix(s, 8).ok()
+}
+
+/// Check, on the host, the tarball a winner produced for a commit Paths before it is
+/// unpacked into the parent. The winner's `tar` is the workload's to replace, so its
+/// output is hostile: it could carry `etc/passwd`, a symlink `work/x -> /etc` followed
+/// by `work/x/passwd`, a hard link, a device, `..` components. Accepted: ustar/GNU
+/// regular-file entries (GNU long names allowed) whose names are exactly the requested
+/// paths (without the leading `/`), each once, every one present, with the size and
+/// sha256 the manifest recorded. Anything else rejects the whole commit.
+pub fn check_commit_tar(tar: &[u8], expected: &Manifest) -> Result<()> {
+    use sha2::{Digest, Sha256};
+    let bad = |what: String| Error::Invalid(format!("commit tarball refused: {what}"));
+    let mut seen: std::collections::BTreeSet<String> = Default::default();
+    let mut pos = 0usize;
+    let mut long_name: Option<String> = None;
+    loop {
+        let Some(h) = tar.get(pos..pos + 512) else {
+            return Err(bad("truncated (no end-of-archive marker)".into()));
+        };
+        pos += 512;
+        if h.iter().all(|&b| b == 0) {
+            break;
+        }
+        let sum: u64 = h
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                if (148..156).contains(&i) {
+                    32
+                } else {
+                    u64::from(b)
+                }
+            })
+            .sum();
+        if tar_octal(&h[148..156]) != Some(sum) {
+            return Err(bad(format!("bad header checksum at byte {}", pos - 512)));
+        }
+        let size = tar_octal(&h[124..136])
+            .ok_or_else(|| bad(format!("bad size field at byte {}", pos - 512)))?;
+        let blocks = usize::try_from(size.div_ceil(512))
+            .ok()
+            .and_then(|b| b.checked_mul(512))
+            .ok_or_else(|| bad("entry too large".into()))?;
+        let data = tar
+            .get(pos..pos.saturating_add(blocks))
+            .ok_or_else(|| bad("entry data truncated".into()))?;
+        pos += blocks;
+        let body = &data[..size as usize];
+        let typeflag = h[156];
+        if typeflag == b'L' {
+            if size > MAX_LONGNAME || long_name.is_some() {
+                return Err(bad("bad GNU long-name record".into()));
+            }
+            let n = std::str::from_utf8(tar_str(body))
+                .map_err(|_| bad("long name is not UTF-8".into()))?;
+            long_name = Some(n.to_string());
+            continue;
+        }
+        let name = match long_name.take() {
+            Some(n) => n,
+            None => {
+                let name = tar_str(&h[0..100]);
+                let prefix = if &h[257..262] == b"ustar" {
+                    tar_str(&h[345..500])
+                } else {
+                    &[]
+                };
+                let mut full = Vec::new();
+                if !prefix.is_empty() {
+                    full.extend_from_slice(prefix);
+                    full.push(b'/');
+                }
+                full.extend_from_slice(name);
+                String::from_utf8(full).map_err(|_| bad("entry name is not UTF-8".into()))?
+            }
+        };
+        if typeflag != b'0' && typeflag != 0 {
+            return Err(bad(format!(
+                "entry {:?} is of type {:?}, only regular files are promoted",
+                shown(&name),
+                char::from(typeflag)
+            )));
+        }
+        let path = format!("/{}", name.trim_start_matches('/'));
+        let Some(want) = expected.get(&path).filter(|_| valid_path(&path)) else {
+            return Err(bad(format!("unrequested entry {:?}", shown(&name))));
+        };
+        if !seen.insert(path.clone()) {
+            return Err(bad(format!("entry {:?} appears twice", shown(&name))));
+        }
+        let sha = hex::encode(Sha256::digest(body));
+        if size != want.size || sha != want.sha256 {
+            return Err(bad(format!(
+                "{:?} has {size} bytes / sha256 {sha}, the manifest said {} / {}",
+                shown(&path),
+                want.size,
+                want.sha256
+            )));
+        }
+    }
+    if long_name.is_some() {
+        return Err(bad("dangling long-name record".into()));
+    }
+    if let Some(missing) = expected.keys().find(|p| !seen.contains(*p)) {
+        return Err(bad(format!("{:?} missing", shown(missing))));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

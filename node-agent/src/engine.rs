@@ -211,14 +211,67 @@ impl Engine {
         )
     }
 
-    fn next_identity(&self, name: &str, index: u32, snapshot: Option<&str>) -> Identity {
+    fn next_identity(
+        &self,
+        name: &str,
+        index: u32,
+        snapshot: Option<&str>,
+        hostname: Option<String>,
+    ) -> Identity {
         Identity {
             name: name.into(),
             index,
             uid: uuid::Uuid::new_v4().to_string(),
             generation: self.inner.generation.fetch_add(1, Ordering::Relaxed),
             snapshot: snapshot.map(str::to_string),
+            seed: fresh_seed(),
+            hostname,
         }
+    }
+
+    /// Give a restored branch its own hostname. gVisor restores the UTS namespace from
+    /// the checkpoint (the restore spec's `hostname` is ignored), so every branch would
+    /// otherwise carry the source's hostname. Setting it needs CAP_SYS_ADMIN, which the
+    /// workload does not have: one `runsc exec --cap CAP_SYS_ADMIN <id> hostname <h>`,
+    /// using the `hostname` program of the sandbox's rootfs.
+    async fn set_hostname(&self, sb: &Sandbox, host: &str) -> Result<()> {
+        let mut argv = self.inner.runsc.global_args(&sb.ctx);
+        argv.extend(["exec".into(), "--cap".into(), "CAP_SYS_ADMIN".into()]);
+        let mut env = sb.workload.env.clone();
+        if !env.iter().any(|(k, _)| k == "PATH") {
+            env.push((
+                "PATH".into(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            ));
+        }
+        for (k, v) in &env {
+            argv.push("--env".into());
+            argv.push(format!("{k}={v}").into());
+        }
+        argv.extend([sb.id.clone().into(), "hostname".into(), host.into()]);
+        let mut it = argv.into_iter();
+        let mut cmd = crate::cmd::Cmd::new(it.next().unwrap_or_default())
+            .args(it)
+            .timeout(self.inner.cfg.exec_timeout);
+        if let Some(ns) = &sb.ctx.netns {
+            cmd = cmd.wrapped_in(vec![
+                "nsenter".into(),
+                format!("--net={}", ns.display()).into(),
+                "--".into(),
+            ]);
+        }
+        let out = cmd.output().await?;
+        if out.code != 0 {
+            return Err(Error::Sandbox {
+                id: sb.id.clone(),
+                reason: format!(
+                    "`hostname {host}` exited {}: {}",
+                    out.code,
+                    out.stderr_str().trim()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Create directories, placement, identity and bundle for a new sandbox id.
@@ -260,10 +313,18 @@ impl Engine {
                 NetworkMode::None
             },
         };
+        // A fresh sandbox has the spec's hostname; a restored branch gets its own (set
+        // right after the restore, see `set_hostname`), derived from its id so that it
+        // stays valid when a warm-pool branch is handed out under a new identity.
+        let hostname = if snapshot.is_some() {
+            branch_hostname(&workload.hostname, &id)
+        } else {
+            workload.hostname.clone()
+        };
         let sb = Sandbox {
             name: name.into(),
+            identity: self.next_identity(name, index, snapshot, Some(hostname)),
             id,
-            identity: self.next_identity(name, index, snapshot),
             dir,
             rootfs,
             workload,
@@ -465,6 +526,19 @@ impl Engine {
             self.destroy(sb).await.ok();
             return Err(e);
         }
+        if let Some(host) = sb.identity.hostname.clone()
+            && let Err(e) = self.set_hostname(&sb, &host).await
+        {
+            // Not fatal (a rootfs without a `hostname` program): the identity then says
+            // so (hostname: null) instead of naming a hostname the branch does not have.
+            warn!(id = %sb.id, error = %e, "branch keeps the snapshot's hostname");
+            sb.identity.hostname = None;
+            if let Err(e) = control::write_identity(&sb.control_dir(), &sb.identity) {
+                let e = Error::io("write identity", sb.control_dir(), e);
+                self.destroy(sb).await.ok();
+                return Err(e);
+            }
+        }
         if !track.is_empty() {
             match self.manifest(&sb, track).await {
                 Ok((m, roots)) => {
@@ -552,11 +626,12 @@ impl Engine {
             ))
         })?;
         let roots = diff::glob_roots(globs)?;
+        // Component-wise: a tracked `/work` does not cover `/workspace`.
         if !roots.iter().all(|r| {
             winner
                 .tracked_roots
                 .iter()
-                .any(|t| r.starts_with(t.as_str()))
+                .any(|t| Path::new(r).starts_with(t))
         }) {
             return Err(Error::Invalid(format!(
                 "commit paths {globs:?} are outside the tracked roots {:?}",
@@ -573,6 +648,44 @@ impl Engine {
             .map(|c| c.path.clone())
             .collect();
         copy.sort();
+        // Every path handed to a shell or tar below passed `diff::valid_path` in
+        // `parse_manifest`; check again here, it is what keeps `..` out of the parent.
+        if let Some(p) = copy
+            .iter()
+            .chain(d.deleted.iter().map(|c| &c.path))
+            .find(|p| !diff::valid_path(p))
+        {
+            return Err(Error::Invalid(format!("refusing to commit path {p:?}")));
+        }
+        // Never write or delete through a symlink of the parent: a path whose ancestor
+        // (or itself) is a symlink in the parent would land outside the allowlist.
+        let touched: Vec<String> = copy
+            .iter()
+            .chain(d.deleted.iter().map(|c| &c.path))
+            .cloned()
+            .collect();
+        if !touched.is_empty() {
+            let mut argv: Vec<String> = vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                PARENT_SYMLINK_SCRIPT.into(),
+                "ramify-check".into(),
+            ];
+            argv.extend(touched);
+            let out = self
+                .inner
+                .runsc
+                .exec(&parent.ctx, &argv, &[], None, self.inner.cfg.exec_timeout)
+                .await?;
+            let links = out.stdout_str();
+            if out.code != 0 || !links.trim().is_empty() {
+                return Err(Error::Invalid(format!(
+                    "commit refused: these paths are symlinks in the parent (or could not be checked: {}): {}",
+                    out.stderr_str().trim(),
+                    links.trim().chars().take(1000).collect::<String>()
+                )));
+            }
+        }
         if !copy.is_empty() {
             let tarball = winner
                 .dir
@@ -590,6 +703,13 @@ impl Engine {
                     reason: format!("tar of changed files failed: {}", out.stderr_str()),
                 });
             }
+            // The winner's tar is the workload's: check what it produced, entry by
+            // entry, against what was asked for, before the parent unpacks it.
+            let wanted: Manifest = copy
+                .iter()
+                .filter_map(|p| now.get(p).map(|e| (p.clone(), e.clone())))
+                .collect();
+            diff::check_commit_tar(&out.stdout, &wanted)?;
             std::fs::write(&tarball, &out.stdout).map_err(|e| Error::io("write", &tarball, e))?;
             let argv: Vec<String> = vec![
                 "tar".into(),
@@ -658,6 +778,7 @@ impl Engine {
             &parent.name,
             parent.identity.index,
             winner.restored_from.as_deref(),
+            winner.identity.hostname.clone(),
         );
         control::write_identity(&winner.control_dir(), &winner.identity)
             .map_err(|e| Error::io("write identity", winner.control_dir(), e))?;
@@ -820,6 +941,8 @@ impl Engine {
                 uid: String::new(),
                 generation: 0,
                 snapshot: None,
+                seed: String::new(),
+                hostname: None,
             },
             restored_from: None,
             baseline: None,
@@ -898,6 +1021,59 @@ impl Engine {
     /// Start a warm pool of `size` frozen branches of `snapshot`.
     pub fn warm_pool(&self, snapshot: &str, size: usize) -> WarmPool {
         WarmPool::start(self.clone(), snapshot.to_string(), size)
+    }
+}
+
+/// Run in the parent before a commit Paths: prints every argument that is, or has an
+/// ancestor that is, a symlink there.
+const PARENT_SYMLINK_SCRIPT: &str = r#"for p in "$@"; do
+  d="$p"
+  while [ -n "$d" ] && [ "$d" != / ]; do
+    if [ -L "$d" ]; then echo "$d"; fi
+    d="${d%/*}"
+  done
+done"#;
+
+/// 32 bytes from the OS CSPRNG (getrandom, through uuid v4) as 64 hex characters.
+fn fresh_seed() -> String {
+    let mut s = String::with_capacity(64);
+    s.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    s.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    s
+}
+
+/// The hostname of a restored branch: the workload's hostname (reduced to a DNS label)
+/// followed by the random part of the sandbox id, at most 63 characters.
+pub fn branch_hostname(base: &str, sandbox_id: &str) -> String {
+    let suffix: String = sandbox_id
+        .rsplit('-')
+        .next()
+        .unwrap_or_default()
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(16)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    let mut label: String = base
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    label = label.trim_matches('-').to_string();
+    if label.is_empty() {
+        label = "ramify".into();
+    }
+    label.truncate(62 - suffix.len());
+    let label = label.trim_end_matches('-');
+    if suffix.is_empty() {
+        label.to_string()
+    } else {
+        format!("{label}-{suffix}")
     }
 }
 
@@ -1150,6 +1326,7 @@ impl WarmPool {
                     name,
                     index.unwrap_or(sb.identity.index),
                     Some(&self.snapshot),
+                    sb.identity.hostname.clone(),
                 );
                 let r = control::write_identity(&sb.control_dir(), &sb.identity)
                     .map_err(|e| Error::io("write identity", sb.control_dir(), e))

@@ -66,9 +66,43 @@ fn valid_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
 }
 
-/// sha256 of a file, streamed.
+/// Largest meta.json read.
+const MAX_META_BYTES: u64 = 4 << 20;
+
+/// Open a file of the store for reading: never through a symlink (O_NOFOLLOW), never
+/// blocking on a FIFO (O_NONBLOCK), and only if it is a regular file. Everything under
+/// the store is written by the agent and runsc, but a restore must not hang on (or
+/// stream forever from) a FIFO or a `/dev/zero` link that replaced an image file.
+fn open_regular(path: &Path) -> Result<fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| Error::io("open", path, e))?;
+    let ft = f
+        .metadata()
+        .map_err(|e| Error::io("stat", path, e))?
+        .file_type();
+    if !ft.is_file() {
+        return Err(Error::io(
+            "open",
+            path,
+            std::io::Error::other("not a regular file"),
+        ));
+    }
+    Ok(f)
+}
+
+/// sha256 of a regular file (see [`open_regular`]), streamed.
 pub fn sha256_file(path: &Path) -> Result<(u64, String)> {
-    let mut f = fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+    sha256_file_max(path, u64::MAX)
+}
+
+/// Like [`sha256_file`], reading at most `max + 1` bytes (a file longer than `max` is
+/// reported with a size of `max + 1` and the digest of what was read).
+fn sha256_file_max(path: &Path, max: u64) -> Result<(u64, String)> {
+    let mut f = open_regular(path)?.take(max.saturating_add(1));
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
@@ -174,7 +208,17 @@ impl SnapshotStore {
 
     pub fn meta(&self, id: &str) -> Result<SnapshotMeta> {
         let path = self.snap_dir(id)?.join(META);
-        let bytes = fs::read(&path).map_err(|e| Error::io("read snapshot metadata", &path, e))?;
+        let mut bytes = Vec::new();
+        open_regular(&path)?
+            .take(MAX_META_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| Error::io("read snapshot metadata", &path, e))?;
+        if bytes.len() as u64 > MAX_META_BYTES {
+            return Err(Error::Snapshot {
+                id: id.into(),
+                reason: format!("meta.json larger than {MAX_META_BYTES} bytes"),
+            });
+        }
         Ok(serde_json::from_slice(&bytes)?)
     }
 
@@ -211,7 +255,9 @@ impl SnapshotStore {
             });
         }
         for f in &meta.files {
-            let (size, sha) = sha256_file(&img.join(&f.name))?;
+            // The names were just matched against a directory listing, so none holds a
+            // `/`; the read stops one byte past the recorded size.
+            let (size, sha) = sha256_file_max(&img.join(&f.name), f.size)?;
             if sha != f.sha256 || size != f.size {
                 warn!(file = %f.name, "snapshot image corrupt");
                 return Err(Error::CorruptImage {

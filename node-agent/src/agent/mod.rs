@@ -351,10 +351,17 @@ impl Agent {
                 self.registry.remove_snapshot(&uid)?;
             }
         }
-        for meta in self.engine.store().list()? {
-            if !kept.contains(&meta.id) {
-                info!(image = %meta.id, "removing unrecorded snapshot image");
-                self.engine.store().remove(&meta.id).ok();
+        // Every image directory, sealed or not: a capture cut short by a crash leaves
+        // one without metadata, which `list()` does not show.
+        let store_dir = self.engine.store().dir().to_path_buf();
+        for entry in std::fs::read_dir(&store_dir)
+            .map_err(|e| Error::io("read", &store_dir, e))?
+            .flatten()
+        {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            if !kept.contains(&id) {
+                info!(image = %id, "removing unrecorded snapshot image");
+                self.engine.store().remove(&id).ok();
             }
         }
         Ok(())
