@@ -37,7 +37,11 @@ cargo build --workspace --bins --locked
 
 step "cargo test --workspace (node agent on Debian's runsc: $(runsc --version | head -1))"
 results="$(mktemp)"
-cargo test --workspace --locked -- --include-ignored 2>&1 | tee -a "$results"
+# The fault matrix runs on its own below, with its table printed.
+cargo test --workspace --locked -- --include-ignored --skip every_component_killed_at_every_step 2>&1 | tee -a "$results"
+
+step "fault matrix: node agent and operator killed at every step"
+cargo test -p ramify-e2e --locked --test faults -- --nocapture 2>&1 | grep -v '^fault: ' | tee -a "$results"
 
 step "node agent again on the current runsc ($("$current_runsc" --version | head -1))"
 RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --include-ignored 2>&1 | tee -a "$results"
