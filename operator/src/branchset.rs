@@ -59,20 +59,27 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
         (_, Some(s)) => s.clone(),
         _ => plan::snapshot_name(&name),
     };
-    let snapshot = snapshots.get_opt(&snap_name).await?;
-    let parent_name = match (&bs.spec.source.sandbox, &snapshot) {
-        (Some(s), _) => Some(s.clone()),
-        (None, Some(snap)) => Some(snap.spec.source.sandbox.clone()),
-        _ => None,
+    // The three reads are independent (but for a snapshot source, whose parent is
+    // named by the snapshot): issue them together, this is the fork's critical path.
+    let selector = format!("{LABEL_BRANCHSET}={name}");
+    let branch_list = ListParams::default().labels(&selector);
+    let parent_get = async {
+        match &bs.spec.source.sandbox {
+            Some(p) => sandboxes.get_opt(p).await.map(Some),
+            None => Ok(None),
+        }
     };
-    let parent = match &parent_name {
-        Some(p) => sandboxes.get_opt(p).await?,
-        None => None,
+    let (snapshot, parent_direct, branches) = futures::try_join!(
+        snapshots.get_opt(&snap_name),
+        parent_get,
+        sandboxes.list(&branch_list)
+    )?;
+    let branches = branches.items;
+    let parent = match (parent_direct, &snapshot) {
+        (Some(p), _) => p,
+        (None, Some(snap)) => sandboxes.get_opt(&snap.spec.source.sandbox).await?,
+        (None, None) => None,
     };
-    let branches = sandboxes
-        .list(&ListParams::default().labels(&format!("{LABEL_BRANCHSET}={name}")))
-        .await?
-        .items;
     let plan = plan::plan(&Observed {
         bs,
         snapshot: snapshot.as_ref(),

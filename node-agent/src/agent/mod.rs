@@ -620,13 +620,15 @@ impl Agent {
     ) -> Result<(Sandbox, serde_json::Value)> {
         let ns = obj.namespace().unwrap_or_default();
         let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
-        let snap = snaps
-            .get_opt(&rf.snapshot)
-            .await?
-            .ok_or_else(|| Error::Snapshot {
-                id: rf.snapshot.clone(),
-                reason: "not found".into(),
-            })?;
+        // Both reads at once: this is the fork's critical path.
+        let (snap, track) = tokio::try_join!(
+            async { snaps.get_opt(&rf.snapshot).await.map_err(Error::from) },
+            self.tracked_globs(obj)
+        )?;
+        let snap = snap.ok_or_else(|| Error::Snapshot {
+            id: rf.snapshot.clone(),
+            reason: "not found".into(),
+        })?;
         let st = snap.status.clone().unwrap_or_default();
         if st.phase != SnapshotPhase::Ready {
             return Err(Error::Snapshot {
@@ -655,7 +657,7 @@ impl Agent {
             .as_ref()
             .map(|b| (b.name.clone(), u32::try_from(b.index).unwrap_or(0)))
             .unwrap_or_else(|| (obj.name_any(), 0));
-        let track = self.tracked_globs(obj).await?;
+
         let t0 = Instant::now();
         // A warm branch has no baseline manifest, so Paths commits restore cold.
         let warm = if track.is_empty() {
