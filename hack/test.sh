@@ -10,6 +10,9 @@ export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$repo/.ramify/test-controlplane}"
 export RAMIFY_CP_PORT_BASE="${RAMIFY_CP_PORT_BASE:-16540}"
 step() { printf '\n==> %s\n' "$*"; }
 
+step "dependencies (Debian packages, Go-built control plane; idempotent, cached)"
+hack/install-deps.sh
+
 step "toolchain checks"
 for tool in cargo go openssl curl; do
   command -v "$tool" >/dev/null || { echo "missing $tool: run hack/install-deps.sh" >&2; exit 1; }
