@@ -294,11 +294,11 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let client = kube::Client::try_default().await?;
             let version = agent::short_version(engine.runsc().version()).to_string();
             let metrics = AgentMetrics::new(&version);
-            let health = ramify_telemetry::Health::default();
+            let health = ramify_runtime::Health::default();
             tokio::spawn({
                 let (registry, h) = (metrics.registry.clone(), health.clone());
                 async move {
-                    if let Err(e) = ramify_telemetry::serve(metrics_addr, registry, h).await {
+                    if let Err(e) = ramify_runtime::serve(metrics_addr, registry, h).await {
                         error!(error = %e, "metrics server failed");
                     }
                 }

@@ -2,8 +2,7 @@
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use tracing::warn;
+use kube::runtime::events::{Recorder, Reporter};
 
 use crate::metrics::Metrics;
 
@@ -64,19 +63,14 @@ impl Context {
         reason: &str,
         note: String,
     ) {
-        let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.to_string(),
-            note: Some(note.chars().take(1000).collect()),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, reference).await {
-            warn!(error = %e, reason, "could not publish event");
-        }
+        ramify_runtime::events::publish(
+            &self.recorder,
+            reference,
+            warning,
+            reason,
+            "Reconcile",
+            note,
+        )
+        .await;
     }
 }

@@ -19,7 +19,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::{Action, Controller};
@@ -27,61 +27,35 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use ramify_crds::{BranchSet, FINALIZER_NODE_CLEANUP, Sandbox, Snapshot};
-use serde_json::json;
 use tracing::{info, warn};
 
 use crate::context::Context;
-use crate::error::{Error, Result, is_not_found};
+use crate::error::{Error, Result};
 
-/// Adds the node-cleanup finalizer (guarded by resourceVersion, so a concurrent
-/// change is not overwritten).
+/// Adds the node-cleanup finalizer (guarded by resourceVersion).
 pub async fn add_finalizer<K>(api: &Api<K>, obj: &K) -> Result<()>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let mut finalizers = obj.meta().finalizers.clone().unwrap_or_default();
-    finalizers.push(FINALIZER_NODE_CLEANUP.to_string());
-    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
-    match api
-        .patch(
-            &obj.meta().name.clone().unwrap_or_default(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
+    ramify_runtime::finalizer::add(api, obj, FINALIZER_NODE_CLEANUP)
         .await
-    {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Conflict("finalizer".into())),
-        Err(e) => Err(e.into()),
-    }
+        .map_err(finalizer_error)
 }
 
-/// Removes the node-cleanup finalizer.
+/// Removes the node-cleanup finalizer (guarded by resourceVersion).
 pub async fn remove_finalizer<K>(api: &Api<K>, obj: &K) -> Result<()>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let finalizers: Vec<String> = obj
-        .meta()
-        .finalizers
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|f| f != FINALIZER_NODE_CLEANUP)
-        .collect();
-    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
-    match api
-        .patch(
-            &obj.meta().name.clone().unwrap_or_default(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
+    ramify_runtime::finalizer::remove(api, obj, FINALIZER_NODE_CLEANUP)
         .await
-    {
-        Ok(_) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Conflict("finalizer".into())),
-        Err(e) => Err(e.into()),
+        .map_err(finalizer_error)
+}
+
+fn finalizer_error(e: kube::Error) -> Error {
+    match e {
+        kube::Error::Api(s) if s.code == 409 => Error::Conflict("finalizer".into()),
+        e => e.into(),
     }
 }
 

@@ -9,7 +9,7 @@ use clap::Parser;
 use ramify_operator::context::{Context, Settings};
 use ramify_operator::leader::{self, LeaderConfig};
 use ramify_operator::metrics::Metrics;
-use ramify_telemetry::{self as http, Health};
+use ramify_runtime::{self as http, Health};
 use tracing::{error, info};
 
 #[derive(Parser, Debug)]

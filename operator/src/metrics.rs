@@ -163,7 +163,7 @@ impl Metrics {
 
     /// Renders the text exposition format.
     pub fn render(&self) -> String {
-        ramify_telemetry::render(&self.registry)
+        ramify_runtime::render(&self.registry)
     }
 }
 

@@ -22,7 +22,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use ramify_crds::{
@@ -273,20 +273,15 @@ impl Agent {
         reason: &str,
         note: String,
     ) {
-        let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.into(),
-            note: Some(note.chars().take(1000).collect()),
-            action: "NodeAgent".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, &obj.object_ref(&())).await {
-            warn!(error = %e, reason, "could not publish event");
-        }
+        ramify_runtime::events::publish(
+            &self.recorder,
+            &obj.object_ref(&()),
+            warning,
+            reason,
+            "NodeAgent",
+            note,
+        )
+        .await;
     }
 
     /// Re-adopts what the registry says this node holds and destroys what the API no
@@ -434,27 +429,7 @@ impl Agent {
             self.client.clone(),
             &obj.meta().namespace.clone().unwrap_or_default(),
         );
-        let finalizers: Vec<String> = obj
-            .meta()
-            .finalizers
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|f| f != FINALIZER_NODE_CLEANUP)
-            .collect();
-        let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
-        match api
-            .patch(
-                &obj.meta().name.clone().unwrap_or_default(),
-                &PatchParams::default(),
-                &Patch::Merge(&patch),
-            )
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-            Err(e) => Err(e.into()),
-        }
+        Ok(ramify_runtime::finalizer::remove(&api, obj, FINALIZER_NODE_CLEANUP).await?)
     }
 
     // ----- Sandbox -------------------------------------------------------------

@@ -1,4 +1,4 @@
-//! `/metrics`, `/healthz` and `/readyz`, shared by the operator and the node agent.
+//! `/metrics`, `/healthz` and `/readyz`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

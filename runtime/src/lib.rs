@@ -1,0 +1,7 @@
+//! Plumbing shared by the operator and the node agent.
+
+pub mod events;
+pub mod finalizer;
+pub mod http;
+
+pub use http::{Health, render, serve};
