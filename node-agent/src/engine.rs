@@ -1134,6 +1134,9 @@ async fn kill_processes_mentioning(needle: &str) {
     }
 }
 
+/// How long claims must pause before a warm pool refills.
+const REFILL_SETTLE: Duration = Duration::from_millis(300);
+
 /// K restored branches of one snapshot, kept frozen (cgroup freezer) and handed out
 /// on claim with a thaw; refilled in the background.
 pub struct WarmPool {
@@ -1197,6 +1200,14 @@ impl WarmPool {
             }
             if have >= size {
                 shared.refill.notified().await;
+                // Claims come in bursts (a BranchSet forks N at once). A refill is a
+                // CPU-bound restore: starting it after the first claim would slow the
+                // rest of the burst (and the API writes that report it), so wait until
+                // claims pause.
+                while tokio::time::timeout(REFILL_SETTLE, shared.refill.notified())
+                    .await
+                    .is_ok()
+                {}
                 continue;
             }
             let made = async {

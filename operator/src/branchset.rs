@@ -59,27 +59,30 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
         (_, Some(s)) => s.clone(),
         _ => plan::snapshot_name(&name),
     };
-    // The three reads are independent (but for a snapshot source, whose parent is
-    // named by the snapshot): issue them together, this is the fork's critical path.
-    let selector = format!("{LABEL_BRANCHSET}={name}");
-    let branch_list = ListParams::default().labels(&selector);
-    let parent_get = async {
-        match &bs.spec.source.sandbox {
-            Some(p) => sandboxes.get_opt(p).await.map(Some),
-            None => Ok(None),
+    // Read from the informer cache: no API round trip on the fork's critical path.
+    ctx.cache.synced().await?;
+    let snapshot = ctx.cache.snapshot(&ns, &snap_name);
+    let mut branches = ctx.cache.sandboxes_labelled(&ns, LABEL_BRANCHSET, &name);
+    let parent_name = bs
+        .spec
+        .source
+        .sandbox
+        .clone()
+        .or_else(|| snapshot.as_ref().map(|s| s.spec.source.sandbox.clone()));
+    let parent = parent_name.and_then(|p| ctx.cache.sandbox(&ns, &p));
+    // A branch the status says existed but the cache lacks is either gone or not yet
+    // seen by this watch (a new leader's cache may trail the old leader's writes). A
+    // vanished branch fails for good, so confirm with the API server before deciding.
+    for b in bs.status.iter().flat_map(|s| &s.branches) {
+        if let Some(sbx) = &b.sandbox
+            && !branches
+                .iter()
+                .any(|s| s.metadata.name.as_deref() == Some(sbx))
+            && let Some(live) = sandboxes.get_opt(sbx).await?
+        {
+            branches.push(live);
         }
-    };
-    let (snapshot, parent_direct, branches) = futures::try_join!(
-        snapshots.get_opt(&snap_name),
-        parent_get,
-        sandboxes.list(&branch_list)
-    )?;
-    let branches = branches.items;
-    let parent = match (parent_direct, &snapshot) {
-        (Some(p), _) => p,
-        (None, Some(snap)) => sandboxes.get_opt(&snap.spec.source.sandbox).await?,
-        (None, None) => None,
-    };
+    }
     let plan = plan::plan(&Observed {
         bs,
         snapshot: snapshot.as_ref(),

@@ -1,10 +1,103 @@
-//! What every reconciler shares: the client, metrics, the event recorder and settings.
+//! What every reconciler shares: the client, the informer cache, metrics, the event
+//! recorder and settings.
+
+use std::sync::Mutex;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
+use kube::core::DeserializeGuard;
 use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
+use ramify_crds::{Sandbox, Snapshot};
 
 use crate::metrics::Metrics;
+
+/// Watch events a slow controller may fall behind by before the shared watch waits.
+const SUBSCRIBER_BUFFER: usize = 1024;
+
+/// The operator's informer cache: one watch per kind, shared by every controller that
+/// triggers on it and read by the reconcilers in place of API reads. Reads may lag the
+/// API server by a watch event; every decision they feed is written with optimistic
+/// concurrency (or is idempotent), so a stale read can delay, never corrupt.
+#[derive(Clone)]
+pub struct Cache {
+    pub sandboxes: Store<DeserializeGuard<Sandbox>>,
+    pub snapshots: Store<DeserializeGuard<Snapshot>>,
+}
+
+/// The write side of [`Cache`], driven by the watches in `run_controllers`.
+pub struct CacheWriters {
+    pub sandboxes: Writer<DeserializeGuard<Sandbox>>,
+    pub snapshots: Writer<DeserializeGuard<Snapshot>>,
+}
+
+impl Cache {
+    fn new() -> (Cache, CacheWriters) {
+        let (sandboxes, sw) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (snapshots, nw) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        (
+            Cache {
+                sandboxes,
+                snapshots,
+            },
+            CacheWriters {
+                sandboxes: sw,
+                snapshots: nw,
+            },
+        )
+    }
+
+    /// Waits for the first full list of both kinds (reconcilers never read a cache
+    /// that has not synced: an empty one would look like everything was deleted).
+    pub async fn synced(&self) -> crate::error::Result<()> {
+        self.sandboxes
+            .wait_until_ready()
+            .await
+            .map_err(|e| crate::error::Error::Cache(e.to_string()))?;
+        self.snapshots
+            .wait_until_ready()
+            .await
+            .map_err(|e| crate::error::Error::Cache(e.to_string()))
+    }
+
+    pub fn sandbox(&self, ns: &str, name: &str) -> Option<Sandbox> {
+        let key = ObjectRef::new(name).within(ns);
+        self.sandboxes.get(&key)?.0.as_ref().ok().cloned()
+    }
+
+    pub fn snapshot(&self, ns: &str, name: &str) -> Option<Snapshot> {
+        let key = ObjectRef::new(name).within(ns);
+        self.snapshots.get(&key)?.0.as_ref().ok().cloned()
+    }
+
+    /// Sandboxes of `ns` carrying label `key=value`.
+    pub fn sandboxes_labelled(&self, ns: &str, key: &str, value: &str) -> Vec<Sandbox> {
+        self.sandboxes
+            .state()
+            .iter()
+            .filter_map(|g| g.0.as_ref().ok())
+            .filter(|s| {
+                s.metadata.namespace.as_deref() == Some(ns)
+                    && s.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(key))
+                        .is_some_and(|v| v == value)
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Sandboxes bound to `node` (capacity accounting).
+    pub fn sandboxes_on(&self, node: &str) -> usize {
+        self.sandboxes
+            .state()
+            .iter()
+            .filter_map(|g| g.0.as_ref().ok())
+            .filter(|s| s.status.as_ref().and_then(|st| st.node_name.as_deref()) == Some(node))
+            .count()
+    }
+}
 
 /// Operator settings.
 #[derive(Clone, Debug)]
@@ -28,6 +121,9 @@ impl Default for Settings {
 /// Shared reconciler context.
 pub struct Context {
     pub client: Client,
+    pub cache: Cache,
+    /// Taken once by `run_controllers`, which drives the watches behind `cache`.
+    pub(crate) cache_writers: Mutex<Option<CacheWriters>>,
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub settings: Settings,
@@ -47,8 +143,11 @@ impl Context {
                 instance,
             },
         );
+        let (cache, writers) = Cache::new();
         Self {
             client,
+            cache,
+            cache_writers: Mutex::new(Some(writers)),
             metrics,
             recorder,
             settings,

@@ -23,6 +23,9 @@ pub enum Error {
     /// No live node agent to bind to.
     #[error("no node agent is available")]
     NoNode,
+    /// The informer cache cannot serve reads (its watch was dropped).
+    #[error("informer cache: {0}")]
+    Cache(String),
 }
 
 impl Error {
@@ -35,6 +38,7 @@ impl Error {
             Error::Invalid(_) => "invalid",
             Error::Conflict(_) => "conflict",
             Error::NoNode => "no_node",
+            Error::Cache(_) => "cache",
         }
     }
 

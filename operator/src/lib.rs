@@ -23,8 +23,8 @@ use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use ramify_crds::{BranchSet, FINALIZER_NODE_CLEANUP, Sandbox, Snapshot};
 use tracing::{info, warn};
@@ -116,47 +116,106 @@ fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Cont
     }
 }
 
-/// Runs the three controllers until the stream ends (shutdown signal).
+/// Drives one shared watch into its cache (and its subscribers), retrying with backoff.
+async fn shared_watch<K>(api: Api<K>, cfg: watcher::Config, writer: reflector::store::Writer<K>)
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let kind = K::kind(&());
+    watcher(api, cfg)
+        .default_backoff()
+        .reflect_shared(writer)
+        .for_each(|ev| {
+            if let Err(e) = ev {
+                warn!(error = %e, %kind, "watch failed; retrying");
+            }
+            futures::future::ready(())
+        })
+        .await;
+}
+
+/// The cached BranchSets of `ns` for which `pred` holds (watch mappers).
+fn branchsets_where(
+    store: &Store<DeserializeGuard<BranchSet>>,
+    ns: Option<String>,
+    pred: impl Fn(&BranchSet) -> bool,
+) -> Vec<ObjectRef<DeserializeGuard<BranchSet>>> {
+    store
+        .state()
+        .into_iter()
+        .filter(|b| b.namespace() == ns && b.0.as_ref().is_ok_and(&pred))
+        .map(|b| ObjectRef::from_obj(&*b))
+        .collect()
+}
+
+/// Runs the three controllers until the stream ends (shutdown signal). Sandboxes and
+/// Snapshots are watched once each; every controller (and the reconcilers' reads)
+/// share those watches through `ctx.cache`.
 pub async fn run_controllers(ctx: Arc<Context>) {
     let client = ctx.client.clone();
     let cfg = watcher::Config::default().any_semantic();
-
-    let sandboxes = Controller::new(
+    let Some(writers) = ctx.cache_writers.lock().ok().and_then(|mut w| w.take()) else {
+        tracing::error!("run_controllers called twice on one context: its cache is taken");
+        return;
+    };
+    let (Some(sbx_for_sandboxes), Some(sbx_for_snapshots), Some(sbx_owned), Some(sbx_parents)) = (
+        writers.sandboxes.subscribe(),
+        writers.sandboxes.subscribe(),
+        writers.sandboxes.subscribe(),
+        writers.sandboxes.subscribe(),
+    ) else {
+        tracing::error!("the sandbox cache is not shared");
+        return;
+    };
+    let (Some(snap_for_snapshots), Some(snap_owned), Some(snap_sources)) = (
+        writers.snapshots.subscribe(),
+        writers.snapshots.subscribe(),
+        writers.snapshots.subscribe(),
+    ) else {
+        tracing::error!("the snapshot cache is not shared");
+        return;
+    };
+    let sandbox_watch = shared_watch(
         Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
         cfg.clone(),
-    )
-    .shutdown_on_signal()
-    .run(
-        sandbox::reconcile,
-        error_policy(sandbox::CONTROLLER),
-        ctx.clone(),
-    )
-    .for_each(|_| futures::future::ready(()));
-
-    let snap_ctl = Controller::new(
+        writers.sandboxes,
+    );
+    let snapshot_watch = shared_watch(
         Api::<DeserializeGuard<Snapshot>>::all(client.clone()),
         cfg.clone(),
+        writers.snapshots,
     );
-    let snap_store = snap_ctl.store();
-    let snapshots = snap_ctl
-        // A source sandbox getting its node lets its pending snapshots bind.
-        .watches(
-            Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
-            cfg.clone(),
-            move |sbx| {
-                let ns = sbx.namespace();
-                let name = sbx.name_any();
-                snap_store
-                    .state()
-                    .into_iter()
-                    .filter(|s| {
-                        s.0.as_ref().is_ok_and(|s| s.spec.source.sandbox == name)
-                            && s.namespace() == ns
-                    })
-                    .map(|s| ObjectRef::from_obj(&*s))
-                    .collect::<Vec<_>>()
-            },
+
+    let sandboxes = Controller::for_shared_stream(sbx_for_sandboxes, ctx.cache.sandboxes.clone())
+        .shutdown_on_signal()
+        .run(
+            sandbox::reconcile,
+            error_policy(sandbox::CONTROLLER),
+            ctx.clone(),
         )
+        .for_each(|_| futures::future::ready(()));
+
+    let snap_store = ctx.cache.snapshots.clone();
+    let snapshots = Controller::for_shared_stream(snap_for_snapshots, ctx.cache.snapshots.clone())
+        // A source sandbox getting its node lets its pending snapshots bind.
+        .watches_shared_stream(sbx_for_snapshots, move |sbx| {
+            let ns = sbx.namespace();
+            let name = sbx.name_any();
+            snap_store
+                .state()
+                .into_iter()
+                .filter(|s| {
+                    s.0.as_ref().is_ok_and(|s| s.spec.source.sandbox == name) && s.namespace() == ns
+                })
+                .map(|s| ObjectRef::from_obj(&*s))
+                .collect::<Vec<_>>()
+        })
         .shutdown_on_signal()
         .run(
             snapshot::reconcile,
@@ -172,56 +231,23 @@ pub async fn run_controllers(ctx: Arc<Context>) {
     let store_for_parents = bs_ctl.store();
     let store_for_snaps = bs_ctl.store();
     let branchsets = bs_ctl
-        .owns(
-            Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
-            cfg.clone(),
-        )
-        .owns(
-            Api::<DeserializeGuard<Snapshot>>::all(client.clone()),
-            cfg.clone(),
-        )
+        .owns_shared_stream(sbx_owned)
+        .owns_shared_stream(snap_owned)
         // The parent sandbox (commits recorded on it; nested sets abort with it).
-        .watches(
-            Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
-            cfg.clone(),
-            move |sbx| {
-                let ns = sbx.namespace();
-                let name = sbx.name_any();
-                store_for_parents
-                    .state()
-                    .into_iter()
-                    .filter(|b| {
-                        b.namespace() == ns
-                            && b.0.as_ref().is_ok_and(|b| {
-                                b.spec.source.sandbox.as_deref() == Some(name.as_str())
-                                    || b.status.as_ref().and_then(|s| s.parent.as_deref())
-                                        == Some(name.as_str())
-                            })
-                    })
-                    .map(|b| ObjectRef::from_obj(&*b))
-                    .collect::<Vec<_>>()
-            },
-        )
+        .watches_shared_stream(sbx_parents, move |sbx| {
+            let name = sbx.name_any();
+            branchsets_where(&store_for_parents, sbx.namespace(), |b| {
+                b.spec.source.sandbox.as_deref() == Some(name.as_str())
+                    || b.status.as_ref().and_then(|s| s.parent.as_deref()) == Some(name.as_str())
+            })
+        })
         // A user-provided source snapshot becoming Ready.
-        .watches(
-            Api::<DeserializeGuard<Snapshot>>::all(client.clone()),
-            cfg,
-            move |snap| {
-                let ns = snap.namespace();
-                let name = snap.name_any();
-                store_for_snaps
-                    .state()
-                    .into_iter()
-                    .filter(|b| {
-                        b.namespace() == ns
-                            && b.0.as_ref().is_ok_and(|b| {
-                                b.spec.source.snapshot.as_deref() == Some(name.as_str())
-                            })
-                    })
-                    .map(|b| ObjectRef::from_obj(&*b))
-                    .collect::<Vec<_>>()
-            },
-        )
+        .watches_shared_stream(snap_sources, move |snap| {
+            let name = snap.name_any();
+            branchsets_where(&store_for_snaps, snap.namespace(), |b| {
+                b.spec.source.snapshot.as_deref() == Some(name.as_str())
+            })
+        })
         .shutdown_on_signal()
         .run(
             branchset::reconcile,
@@ -231,5 +257,9 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         .for_each(|_| futures::future::ready(()));
 
     info!("controllers running");
-    tokio::join!(sandboxes, snapshots, branchsets);
+    // The shared watches never end on their own; the controllers end on shutdown.
+    tokio::select! {
+        _ = async { tokio::join!(sandboxes, snapshots, branchsets) } => {}
+        _ = async { tokio::join!(sandbox_watch, snapshot_watch) } => {}
+    }
 }

@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::core::object::HasStatus;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use ramify_crds::{
     Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Sandbox, SandboxPhase,
-    Snapshot, SnapshotPhase,
+    SnapshotPhase,
 };
 use serde_json::json;
 use tracing::instrument;
@@ -61,8 +61,8 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
     let node = if let Some(node) = &sbx.spec.node_name {
         node.clone()
     } else if let Some(restore) = &sbx.spec.restore_from {
-        let snaps: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
-        let Some(snap) = snaps.get_opt(&restore.snapshot).await? else {
+        ctx.cache.synced().await?;
+        let Some(snap) = ctx.cache.snapshot(&ns, &restore.snapshot) else {
             return unschedulable(
                 sbx,
                 &api,
@@ -105,20 +105,8 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         }
     } else {
         let agents = nodes::list(&ctx.client, &ctx.settings.system_namespace).await?;
-        let all: Api<Sandbox> = Api::all(ctx.client.clone());
-        let bound = all.list(&ListParams::default()).await?;
-        let count = |node: &str| {
-            u32::try_from(
-                bound
-                    .items
-                    .iter()
-                    .filter(|s| {
-                        s.status.as_ref().and_then(|st| st.node_name.as_deref()) == Some(node)
-                    })
-                    .count(),
-            )
-            .unwrap_or(u32::MAX)
-        };
+        ctx.cache.synced().await?;
+        let count = |node: &str| u32::try_from(ctx.cache.sandboxes_on(node)).unwrap_or(u32::MAX);
         match nodes::choose(&agents, &count) {
             Some(node) => node,
             None => {

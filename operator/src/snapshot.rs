@@ -12,8 +12,7 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use ramify_crds::{
-    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Sandbox, Snapshot,
-    SnapshotPhase,
+    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Snapshot, SnapshotPhase,
 };
 use serde_json::json;
 use tracing::instrument;
@@ -105,8 +104,8 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     }
 
     // Bind to the node that runs the source.
-    let sandboxes: Api<Sandbox> = Api::namespaced(ctx.client.clone(), &ns);
-    let source = sandboxes.get_opt(&snap.spec.source.sandbox).await?;
+    ctx.cache.synced().await?;
+    let source = ctx.cache.sandbox(&ns, &snap.spec.source.sandbox);
     let node = source
         .as_ref()
         .and_then(|s| s.status.as_ref())

@@ -12,7 +12,11 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::{Arc, Mutex};
+
+use futures::StreamExt;
 use kube::api::{Api, ListParams};
+use kube::runtime::watcher;
 use ramify_crds::{LABEL_BRANCHSET, Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
 use ramify_e2e::system::System;
 
@@ -34,28 +38,105 @@ spec:
     )
 }
 
-/// Polls (5 ms) until `n` sandboxes labelled with `bs` run; returns the elapsed time.
-async fn all_running(sandboxes: &Api<Sandbox>, bs: &str, n: usize, t0: Instant) -> Duration {
-    let lp = ListParams::default().labels(&format!("{LABEL_BRANCHSET}={bs}"));
-    loop {
-        let items = sandboxes.list(&lp).await.unwrap().items;
-        let running = items
-            .iter()
-            .filter(|s| {
-                s.status
-                    .as_ref()
-                    .is_some_and(|st| st.phase == SandboxPhase::Running)
-            })
-            .count();
-        if running == n {
-            return t0.elapsed();
+/// What a watch on the namespace's Sandboxes saw, and when: the milestones of a fork
+/// (branch created, bound to a node, running), so the bench can say where time goes.
+#[derive(Default)]
+struct Timeline {
+    events: Vec<(Instant, String, &'static str)>,
+}
+
+/// The timeline, and a wake-up for whoever waits on it (waiting through the watch, not
+/// by polling: a poll loop would take CPU from the system it measures).
+#[derive(Default)]
+struct Watched {
+    timeline: Mutex<Timeline>,
+    changed: tokio::sync::Notify,
+}
+
+impl Watched {
+    /// Waits until `n` sandboxes named `prefix*` reached `what`; returns the time since
+    /// `t0` at which the last one did.
+    async fn until(&self, prefix: &str, what: &str, n: usize, t0: Instant) -> Duration {
+        loop {
+            let notified = self.changed.notified();
+            {
+                let tl = self.timeline.lock().unwrap();
+                let hits: Vec<Instant> = tl
+                    .events
+                    .iter()
+                    .filter(|(_, name, w)| name.starts_with(prefix) && *w == what)
+                    .map(|(t, _, _)| *t)
+                    .collect();
+                if hits.len() >= n {
+                    return hits.into_iter().max().unwrap().duration_since(t0);
+                }
+            }
+            assert!(
+                tokio::time::timeout(Duration::from_secs(300), notified)
+                    .await
+                    .is_ok(),
+                "{n} sandboxes {prefix}* never reached {what}"
+            );
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(300),
-            "branches of {bs} never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+impl Timeline {
+    fn record(&mut self, name: &str, what: &'static str) {
+        if !self.events.iter().any(|(_, n, w)| n == name && *w == what) {
+            self.events.push((Instant::now(), name.to_string(), what));
+        }
+    }
+
+    /// When sandboxes named `prefix*` reached `what` (ms after `t0`).
+    fn times<'a>(
+        &'a self,
+        prefix: &'a str,
+        what: &'a str,
+        t0: Instant,
+    ) -> impl Iterator<Item = f64> + 'a {
+        self.events
+            .iter()
+            .filter(move |(t, n, w)| n.starts_with(prefix) && *w == what && *t >= t0)
+            .map(move |(t, _, _)| ms(t.duration_since(t0)))
+    }
+
+    fn last(&self, prefix: &str, what: &str, t0: Instant) -> Option<f64> {
+        self.times(prefix, what, t0).reduce(f64::max)
+    }
+
+    fn first(&self, prefix: &str, what: &str, t0: Instant) -> Option<f64> {
+        self.times(prefix, what, t0).reduce(f64::min)
+    }
+}
+
+fn watch_timeline(sandboxes: Api<Sandbox>, watched: Arc<Watched>) {
+    tokio::spawn(async move {
+        let mut stream = watcher(sandboxes, watcher::Config::default()).boxed();
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(watcher::Event::Apply(s)) => {
+                    let name = s.metadata.name.clone().unwrap_or_default();
+                    let mut tl = watched.timeline.lock().unwrap();
+                    tl.record(&name, "created");
+                    if let Some(st) = &s.status {
+                        if st.node_name.is_some() {
+                            tl.record(&name, "bound");
+                        }
+                        if st.phase == SandboxPhase::Running {
+                            tl.record(&name, "running");
+                        }
+                    }
+                }
+                Ok(watcher::Event::Delete(s)) => {
+                    let name = s.metadata.name.clone().unwrap_or_default();
+                    watched.timeline.lock().unwrap().record(&name, "deleted");
+                }
+                _ => continue,
+            }
+            watched.changed.notify_waiters();
+        }
+    });
 }
 
 fn branchset(name: &str, source: &str, n: usize) -> String {
@@ -86,6 +167,9 @@ async fn main() {
     let sandboxes = sys.sandboxes();
     let snapshots: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
     let branchsets = sys.branchsets();
+    let watched = Arc::new(Watched::default());
+    watch_timeline(sandboxes.clone(), watched.clone());
+    let mut milestones: Vec<[Option<f64>; 6]> = Vec::new();
     let wait_ready = |name: String| {
         let sys = &sys;
         async move {
@@ -135,14 +219,18 @@ async fn main() {
         let name = format!("live-{r}");
         let t0 = Instant::now();
         sys.apply(&branchset(&name, "{sandbox: workspace}", 4));
-        live.push(ms(all_running(&sandboxes, &name, 4, t0).await));
+        live.push(ms(watched
+            .until(&format!("{name}-"), "running", 4, t0)
+            .await));
 
         // From that snapshot, cold.
         let snap = format!("{name}-base");
         let cname = format!("cold-{r}");
         let t0 = Instant::now();
         sys.apply(&branchset(&cname, &format!("{{snapshot: {snap}}}"), 4));
-        cold.push(ms(all_running(&sandboxes, &cname, 4, t0).await));
+        cold.push(ms(watched
+            .until(&format!("{cname}-"), "running", 4, t0)
+            .await));
 
         // A warm pool of 4 on that snapshot; once it is full, fork from it.
         let patch = serde_json::json!({"spec": {"warmPool": {"size": 4}}});
@@ -174,7 +262,22 @@ async fn main() {
         let wname = format!("warm-{r}");
         let t0 = Instant::now();
         sys.apply(&branchset(&wname, &format!("{{snapshot: {snap}}}"), 4));
-        warm.push(ms(all_running(&sandboxes, &wname, 4, t0).await));
+        let applied = ms(t0.elapsed());
+        warm.push(ms(watched
+            .until(&format!("{wname}-"), "running", 4, t0)
+            .await));
+        {
+            let tl = watched.timeline.lock().unwrap();
+            let p = format!("{wname}-");
+            milestones.push([
+                Some(applied),
+                tl.first(&p, "created", t0),
+                tl.last(&p, "created", t0),
+                tl.last(&p, "bound", t0),
+                tl.first(&p, "running", t0),
+                tl.last(&p, "running", t0),
+            ]);
+        }
         let n_warm = sandboxes
             .list(&ListParams::default().labels(&format!("{LABEL_BRANCHSET}={wname}")))
             .await
@@ -197,26 +300,15 @@ async fn main() {
                 .0,
             0
         );
-        let lp = ListParams::default().labels(&format!("{LABEL_BRANCHSET}={name}"));
-        loop {
-            let left = sandboxes
-                .list(&lp)
-                .await
-                .unwrap()
-                .items
-                .iter()
-                .filter(|s| s.name_any_ne(&format!("{name}-b0")))
-                .count();
-            if left == 0 {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "siblings never went"
+        let mut gone = Duration::ZERO;
+        for i in 1..4 {
+            gone = gone.max(
+                watched
+                    .until(&format!("{name}-b{i}"), "deleted", 1, t0)
+                    .await,
             );
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        invalidate.push(ms(t0.elapsed()));
+        invalidate.push(ms(gone));
         for n in [&cname, &wname] {
             let _ = branchsets.delete(n, &Default::default()).await;
         }
@@ -255,15 +347,22 @@ async fn main() {
         &invalidate,
     );
     println!("branches served warm in the warm runs: {warm_flags:?} of 4");
-    sys.teardown_and_check_clean().await;
-}
-
-trait NameNe {
-    fn name_any_ne(&self, other: &str) -> bool;
-}
-
-impl NameNe for Sandbox {
-    fn name_any_ne(&self, other: &str) -> bool {
-        self.metadata.name.as_deref() != Some(other)
+    println!(
+        "\nwhere the warm fork's time goes (median ms after apply started, as a watch saw it)"
+    );
+    let labels = [
+        "kubectl apply returned",
+        "first branch Sandbox created",
+        "last branch Sandbox created",
+        "last branch bound to the node",
+        "first branch running",
+        "last branch running",
+    ];
+    for (i, label) in labels.iter().enumerate() {
+        let v: Vec<f64> = milestones.iter().filter_map(|m| m[i]).collect();
+        if !v.is_empty() {
+            row(label, &v);
+        }
     }
+    sys.teardown_and_check_clean().await;
 }

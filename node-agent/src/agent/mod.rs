@@ -23,6 +23,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use ramify_crds::{
@@ -75,6 +76,15 @@ pub struct Agent {
     runners: Mutex<HashSet<String>>,
     /// Unique per agent process: tells runs this process started from earlier ones.
     epoch: String,
+    /// The controllers' watch caches (set by `run`), read before the API server on
+    /// the fork's critical path.
+    cache: std::sync::OnceLock<AgentCache>,
+}
+
+/// What the agent's watches hold: its node's Snapshots and every BranchSet.
+struct AgentCache {
+    snapshots: Store<DeserializeGuard<SnapshotObj>>,
+    branchsets: Store<DeserializeGuard<BranchSet>>,
 }
 
 fn now() -> Time {
@@ -239,6 +249,7 @@ impl Agent {
             pools: AsyncMutex::new(HashMap::new()),
             runners: Mutex::new(HashSet::new()),
             epoch: uuid::Uuid::new_v4().to_string(),
+            cache: std::sync::OnceLock::new(),
         }
     }
 
@@ -533,6 +544,7 @@ impl Agent {
             sandbox_id: sb.id.clone(),
             run_epoch: None,
             last_commit_uid: None,
+            outcome: None,
         })?;
         let mut extra = extra;
         extra["startedAt"] = json!(now());
@@ -595,9 +607,22 @@ impl Agent {
     ) -> Result<(Sandbox, serde_json::Value)> {
         let ns = obj.namespace().unwrap_or_default();
         let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
-        // Both reads at once: this is the fork's critical path.
+        // The watch cache first (a Ready snapshot of this node is there); the API
+        // server when the cache has not seen it Ready yet. Both reads at once: this is
+        // the fork's critical path.
+        let cached = self.cache.get().and_then(|c| {
+            let snap = c.snapshots.get(&ObjectRef::new(&rf.snapshot).within(&ns))?;
+            let snap = snap.0.as_ref().ok()?;
+            let st = snap.status.as_ref()?;
+            (st.phase == SnapshotPhase::Ready).then(|| snap.clone())
+        });
         let (snap, track) = tokio::try_join!(
-            async { snaps.get_opt(&rf.snapshot).await.map_err(Error::from) },
+            async {
+                match cached {
+                    Some(s) => Ok(Some(s)),
+                    None => snaps.get_opt(&rf.snapshot).await.map_err(Error::from),
+                }
+            },
             self.tracked_globs(obj)
         )?;
         let snap = snap.ok_or_else(|| Error::Snapshot {
@@ -701,9 +726,21 @@ impl Agent {
         else {
             return Ok(Vec::new());
         };
-        let api: Api<BranchSet> =
-            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
-        Ok(match api.get_opt(&branch.branch_set).await? {
+        let ns = obj.namespace().unwrap_or_default();
+        let cached = self.cache.get().and_then(|c| {
+            let bs = c
+                .branchsets
+                .get(&ObjectRef::new(&branch.branch_set).within(&ns))?;
+            bs.0.as_ref().ok().cloned()
+        });
+        let bs = match cached {
+            Some(bs) => Some(bs),
+            None => {
+                let api: Api<BranchSet> = Api::namespaced(self.client.clone(), &ns);
+                api.get_opt(&branch.branch_set).await?
+            }
+        };
+        Ok(match bs {
             Some(bs) if bs.spec.commit.mode == CommitMode::Paths => bs.spec.commit.paths.clone(),
             _ => Vec::new(),
         })
@@ -754,8 +791,15 @@ impl Agent {
             && !self.runners.lock().map(|r| r.contains(uid)).unwrap_or(true)
         {
             let rec = self.registry.sandbox(uid)?;
+            let recorded = rec.as_ref().and_then(|r| r.outcome.clone());
             let started_by = rec.and_then(|r| r.run_epoch);
-            if started_by.as_deref() == Some(self.epoch.as_str()) {
+            if let Some(outcome) = recorded {
+                // Decided, but the report did not land (API outage, or a crash in
+                // between): send it again.
+                let api: Api<SandboxObj> =
+                    Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+                self.report_outcome(&api, &obj.name_any(), &outcome).await?;
+            } else if started_by.as_deref() == Some(self.epoch.as_str()) {
                 // This process ran it and finished: the outcome write is on its way.
             } else if started_by.is_some() {
                 // The run was under way when the agent died; its result is unknown.
@@ -987,7 +1031,7 @@ impl Agent {
             }
             None => Vec::new(),
         };
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {"branch": {
+        let decided = json!({
             "effects": effects,
             "exitCode": exit_code,
             "verdict": verdict,
@@ -996,15 +1040,61 @@ impl Agent {
             "forkMillis": fork_millis,
             "runMillis": run_millis,
             "finishedAt": now(),
-        }}});
-        api.patch_status(
-            &obj.name_any(),
-            &PatchParams::apply(BRANCH_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await?;
+        });
+        // Record before reporting; an outcome already recorded is final (a later
+        // fallback, e.g. "run failed" after the report itself failed, must not
+        // replace the verdict the branch reached).
+        let outcome = match obj
+            .uid()
+            .and_then(|u| self.registry.sandbox(&u).ok().flatten())
+        {
+            Some(mut rec) => match rec.outcome.clone() {
+                Some(first) => first,
+                None => {
+                    rec.outcome = Some(decided.clone());
+                    self.registry.put_sandbox(&rec)?;
+                    decided
+                }
+            },
+            None => decided,
+        };
+        self.report_outcome(&api, &obj.name_any(), &outcome).await?;
         info!(sandbox = %obj.name_any(), ?verdict, "branch verdict");
         Ok(())
+    }
+
+    /// Sends a recorded outcome, retrying through an API-server outage (a lost
+    /// verdict would turn a winner into a timeout).
+    async fn report_outcome(
+        &self,
+        api: &Api<SandboxObj>,
+        name: &str,
+        outcome: &serde_json::Value,
+    ) -> Result<()> {
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {"branch": outcome}});
+        let mut delay = Duration::from_millis(200);
+        let mut attempts = 0;
+        loop {
+            match api
+                .patch_status(
+                    name,
+                    &PatchParams::apply(BRANCH_MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+            {
+                Ok(_) => return Ok(()),
+                // Deleted (lost the race, or its BranchSet ended): nothing to report.
+                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+                Err(e) if attempts >= 8 => return Err(e.into()),
+                Err(e) => {
+                    attempts += 1;
+                    warn!(error = %e, sandbox = name, "reporting the branch outcome failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
     }
 
     // ----- Snapshot ------------------------------------------------------------
@@ -1445,20 +1535,26 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     .shutdown_on_signal()
     .run(on_sandbox, error_policy("sandbox"), agent.clone())
     .for_each(|_| futures::future::ready(()));
-    let snapshots = Controller::new(
+    let snap_ctl = Controller::new(
         Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
         mine,
-    )
-    .shutdown_on_signal()
-    .run(on_snapshot, error_policy("snapshot"), agent.clone())
-    .for_each(|_| futures::future::ready(()));
-    let commits = Controller::new(
+    );
+    let commit_ctl = Controller::new(
         Api::<DeserializeGuard<BranchSet>>::all(client.clone()),
         watcher::Config::default().any_semantic(),
-    )
-    .shutdown_on_signal()
-    .run(on_branchset, error_policy("commit"), agent.clone())
-    .for_each(|_| futures::future::ready(()));
+    );
+    let _ = agent.cache.set(AgentCache {
+        snapshots: snap_ctl.store(),
+        branchsets: commit_ctl.store(),
+    });
+    let snapshots = snap_ctl
+        .shutdown_on_signal()
+        .run(on_snapshot, error_policy("snapshot"), agent.clone())
+        .for_each(|_| futures::future::ready(()));
+    let commits = commit_ctl
+        .shutdown_on_signal()
+        .run(on_branchset, error_policy("commit"), agent.clone())
+        .for_each(|_| futures::future::ready(()));
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, snapshots, commits);
     Ok(())

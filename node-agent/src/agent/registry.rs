@@ -26,6 +26,11 @@ pub struct SandboxRecord {
     /// uid of the last BranchSet whose commit was applied into this sandbox.
     #[serde(default)]
     pub last_commit_uid: Option<String>,
+    /// For branches: the decided outcome (`status.branch`), recorded before it is
+    /// reported, so a write lost to an API-server outage or an agent crash is sent
+    /// again rather than lost. The first decided outcome is final.
+    #[serde(default)]
+    pub outcome: Option<serde_json::Value>,
 }
 
 /// A Snapshot object backed by a stored image.
@@ -174,6 +179,7 @@ mod tests {
             sandbox_id: "ramify-x".into(),
             run_epoch: None,
             last_commit_uid: None,
+            outcome: None,
         };
         reg.put_sandbox(&r).unwrap();
         let again = Registry::open(dir.path()).unwrap();
