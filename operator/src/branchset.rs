@@ -94,8 +94,26 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     // Write the status first: the winner is decided by this write succeeding.
     let old = bs.status.clone().unwrap_or_default();
     let mut resource_version = bs.resource_version();
-    if plan.status != old {
-        match write_status(ctx, bs, resource_version.clone(), &plan.status).await {
+    // Creating branches decides nothing (creation is idempotent and a branch that
+    // existed is never re-created), so while there is no winner they go out with the
+    // status write instead of after it: this is the fork's critical path.
+    let fork_now = plan.status.winner.is_none() && !plan.create_branches.is_empty();
+    let (written, forked) = if plan.status != old {
+        let write = write_status(ctx, bs, resource_version.clone(), &plan.status);
+        if fork_now {
+            let (w, f) = futures::join!(write, create_branches(&sandboxes, &plan.create_branches));
+            (Some(w), Some(f))
+        } else {
+            (Some(write.await), None)
+        }
+    } else {
+        (None, None)
+    };
+    if let Some(f) = forked {
+        f?;
+    }
+    if let Some(written) = written {
+        match written {
             Ok(rv) => resource_version = rv,
             Err(e) if e.is_conflict() => {
                 if old.winner.is_none() && plan.status.winner.is_some() {
@@ -145,19 +163,23 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     if let Some(snap) = &plan.create_snapshot {
         create_ignoring_exists(&snapshots, snap).await?;
     }
-    // Branches are created and bound in parallel: this is the fork's critical path.
-    let creations = plan.create_branches.iter().map(|sbx| {
-        let sandboxes = sandboxes.clone();
-        async move {
-            create_ignoring_exists(&sandboxes, sbx).await?;
-            bind_branch(&sandboxes, sbx).await
-        }
-    });
-    futures::future::try_join_all(creations).await?;
+    if !fork_now || plan.status == old {
+        create_branches(&sandboxes, &plan.create_branches).await?;
+    }
     Ok(match plan.requeue {
         Some(d) => Action::requeue(d),
         None => Action::requeue(Duration::from_secs(300)),
     })
+}
+
+/// Creates and binds branches, all in parallel: this is the fork's critical path.
+async fn create_branches(sandboxes: &Api<Sandbox>, branches: &[Sandbox]) -> Result<()> {
+    let creations = branches.iter().map(|sbx| async move {
+        create_ignoring_exists(sandboxes, sbx).await?;
+        bind_branch(sandboxes, sbx).await
+    });
+    futures::future::try_join_all(creations).await?;
+    Ok(())
 }
 
 /// BranchSets nested under an invalidated branch abort with it: their branch sandboxes
