@@ -339,6 +339,32 @@ proptest! {
     }
 
     #[test]
+    fn globs_without_double_star_match_exactly_their_depth(
+        comps in proptest::collection::vec("(a|b|\\*|\\?|\\[ab\\]|a\\*)", 1..4),
+        paths in proptest::collection::vec("(/(a|b|ab|aa)){1,6}", 1..20),
+    ) {
+        let glob = format!("/{}", comps.join("/"));
+        let set = diff::globset(std::slice::from_ref(&glob)).unwrap();
+        // Not vacuous: the glob's own literal instance matches.
+        let literal: String = comps
+            .iter()
+            .map(|c| if c == "b" { "/b" } else { "/a" })
+            .collect();
+        prop_assert!(set.is_match(&literal), "{glob} does not match {literal}");
+        for p in &paths {
+            if set.is_match(p) {
+                prop_assert_eq!(
+                    p.matches('/').count(),
+                    comps.len(),
+                    "{} matched {} across a `/`",
+                    glob,
+                    p
+                );
+            }
+        }
+    }
+
+    #[test]
     fn diff_only_reports_allowlisted_paths(
         base in proptest::collection::btree_map("(/(a|b|w)){1,3}", (0u64..3, "[12]"), 0..10),
         now in proptest::collection::btree_map("(/(a|b|w)){1,3}", (0u64..3, "[12]"), 0..10),
