@@ -686,6 +686,23 @@ impl Engine {
                 )));
             }
         }
+        // The tarball travels on a `runsc exec` stdout, capped at MAX_STDOUT: refuse a
+        // commit that cannot fit up front, with its size, rather than tar and cut it.
+        let tar_bytes: u64 = d
+            .added
+            .iter()
+            .chain(&d.modified)
+            .map(|c| c.size.div_ceil(512) * 512 + 1024 + (c.path.len() as u64).div_ceil(512) * 512)
+            .sum::<u64>()
+            + 10240;
+        if !copy.is_empty() && tar_bytes > crate::cmd::MAX_STDOUT as u64 {
+            return Err(Error::Invalid(format!(
+                "commit refused: {} changed files of {} bytes exceed the {}-byte limit of a Paths commit",
+                copy.len(),
+                d.bytes(),
+                crate::cmd::MAX_STDOUT
+            )));
+        }
         if !copy.is_empty() {
             let tarball = winner
                 .dir
