@@ -198,7 +198,13 @@ fn tar_octal(field: &[u8]) -> Option<u64> {
 /// by `work/x/passwd`, a hard link, a device, `..` components. Accepted: ustar/GNU
 /// regular-file entries (GNU long names allowed) whose names are exactly the requested
 /// paths (without the leading `/`), each once, every one present, with the size and
-/// sha256 the manifest recorded. Anything else rejects the whole commit.
+/// sha256 the manifest recorded, and no setuid, setgid or sticky bit in their mode.
+/// Anything else rejects the whole commit.
+///
+/// Special mode bits are refused rather than stripped: the parent unpacks as root and
+/// keeps modes, so a promoted setuid file is a privilege handed over by a workload;
+/// silently promoting a different file than the winner had would hide that, while a
+/// refusal names the path and lets a human decide.
 pub fn check_commit_tar(tar: &[u8], expected: &Manifest) -> Result<()> {
     use sha2::{Digest, Sha256};
     let bad = |what: String| Error::Invalid(format!("commit tarball refused: {what}"));
@@ -271,6 +277,14 @@ pub fn check_commit_tar(tar: &[u8], expected: &Manifest) -> Result<()> {
                 "entry {:?} is of type {:?}, only regular files are promoted",
                 shown(&name),
                 char::from(typeflag)
+            )));
+        }
+        let mode = tar_octal(&h[100..108])
+            .ok_or_else(|| bad(format!("bad mode field of entry {:?}", shown(&name))))?;
+        if mode & 0o7000 != 0 {
+            return Err(bad(format!(
+                "entry {:?} has mode {mode:04o} (setuid/setgid/sticky); such files are never promoted",
+                shown(&name)
             )));
         }
         let path = format!("/{}", name.trim_start_matches('/'));

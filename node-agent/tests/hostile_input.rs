@@ -487,6 +487,47 @@ fn commit_tar_check_refuses_hostile_archives() {
     }
 }
 
+/// `tar` with the mode of its first header set to `mode` (checksum recomputed).
+fn with_mode(mut tar: Vec<u8>, mode: u32) -> Vec<u8> {
+    tar[100..108].copy_from_slice(format!("{mode:07o}\0").as_bytes());
+    tar[148..156].copy_from_slice(b"        ");
+    let sum: u32 = tar[..512].iter().map(|&b| u32::from(b)).sum();
+    tar[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    tar
+}
+
+#[test]
+fn commit_tar_check_refuses_setuid_setgid_and_sticky_files() {
+    let m: Manifest = [(
+        "/w/a".to_string(),
+        FileEntry {
+            size: 3,
+            sha256: sha("abc"),
+        },
+    )]
+    .into();
+    let plain = ustar(&[("w/a", b'0', b"abc", "")]);
+    for ok in [0o644, 0o755, 0o777, 0o600] {
+        diff::check_commit_tar(&with_mode(plain.clone(), ok), &m)
+            .unwrap_or_else(|e| panic!("mode {ok:o}: {e}"));
+    }
+    for bad in [0o4755, 0o2755, 0o1755, 0o6777, 0o4000] {
+        let err = diff::check_commit_tar(&with_mode(plain.clone(), bad), &m)
+            .expect_err(&format!("mode {bad:o} accepted"))
+            .to_string();
+        assert!(err.contains("w/a"), "{err}");
+        assert!(err.contains(&format!("{bad:04o}")), "{err}");
+        assert!(err.contains("setuid/setgid/sticky"), "{err}");
+    }
+    // A garbled mode field is refused, not read as 0.
+    let mut garbled = with_mode(plain, 0o644);
+    garbled[100..108].copy_from_slice(b"99999x9\0");
+    garbled[148..156].copy_from_slice(b"        ");
+    let sum: u32 = garbled[..512].iter().map(|&b| u32::from(b)).sum();
+    garbled[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    assert!(diff::check_commit_tar(&garbled, &m).is_err());
+}
+
 #[test]
 fn commit_tar_check_accepts_what_real_tars_write() {
     let d = tempfile::tempdir().unwrap();
