@@ -462,3 +462,51 @@ async fn orphan_sweep_removes_every_rule_of_a_dead_owners_placement() {
     let _ = p.release(&placed).await;
     h.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_into_a_full_store_fails_cleanly_and_leaves_the_source_running() {
+    let h = harness("full-store").await;
+    // Only the snapshot store is on the small file system: the sandbox itself runs.
+    let store = h.engine.store().dir().to_path_buf();
+    let tmpfs = Tmpfs::mount(&store, "8m");
+    let mut sb = h.start("big", COUNTER, vec![]).await;
+    // 48 MiB of incompressible memory (/tmp is in the sandbox's memory overlay) does
+    // not fit in 8 MiB.
+    let sum = h
+        .sh(
+            &sb,
+            "head -c 50331648 /dev/urandom > /tmp/big && sha256sum /tmp/big",
+        )
+        .await;
+    let before = h.counter(&sb).await;
+    let err = h
+        .engine
+        .snapshot(&mut sb, None)
+        .await
+        .expect_err("a 48 MiB image fit in an 8 MiB store");
+    let msg = err.to_string();
+    eprintln!("snapshot into a full store: {msg}");
+    assert!(
+        msg.contains("no space left") && msg.contains("ENOSPC"),
+        "no clear reason: {msg}"
+    );
+    assert!(
+        msg.contains(&store.display().to_string()),
+        "the store is not named: {msg}"
+    );
+    // The source runs on, unchanged.
+    assert!(h.engine.is_running(&sb).await.unwrap(), "source stopped");
+    assert_eq!(h.sh(&sb, "sha256sum /tmp/big").await, sum);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(h.counter(&sb).await > before, "source's counter stopped");
+    // Nothing half-written stays in the store, and the space is free again.
+    let left: Vec<_> = std::fs::read_dir(&store)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "store keeps {left:?}");
+    assert!(h.engine.store().list().unwrap().is_empty());
+    h.destroy_clean(sb).await;
+    drop(tmpfs);
+    h.finish().await;
+}

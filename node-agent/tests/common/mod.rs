@@ -75,6 +75,16 @@ pub async fn rootfs() -> PathBuf {
                     if let Some(pid) = name.split('-').next().and_then(|p| p.parse::<u32>().ok())
                         && !Path::new("/proc").join(pid.to_string()).exists()
                     {
+                        // A killed test may have left a Tmpfs mounted in there.
+                        let mounts =
+                            std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+                        for m in mounts.lines().filter_map(|l| l.split(' ').nth(4)) {
+                            if Path::new(m).starts_with(e.path()) {
+                                let _ = std::process::Command::new("umount")
+                                    .args(["-l", m])
+                                    .status();
+                            }
+                        }
                         let _ = std::fs::remove_dir_all(e.path());
                     }
                 }
@@ -353,5 +363,48 @@ impl Drop for ExtNet {
         let _ = std::process::Command::new("ip")
             .args(["netns", "delete", &self.netns])
             .status();
+    }
+}
+
+/// A size-limited tmpfs mounted on `dir` for the life of the guard: unmounted on drop,
+/// including when the test panics.
+pub struct Tmpfs {
+    pub dir: PathBuf,
+}
+
+impl Tmpfs {
+    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let st = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size}"),
+                "ramify-test-tmpfs",
+            ])
+            .arg(dir)
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount tmpfs on {}", dir.display());
+        Tmpfs {
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let ok = std::process::Command::new("umount")
+            .arg(&self.dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            // Something still holds a file there: detach it now, freed when released.
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.dir)
+                .status();
+        }
     }
 }
