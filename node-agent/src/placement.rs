@@ -435,20 +435,10 @@ impl Placement for Standalone {
             };
             if let Some(chain) = &placed.chain {
                 if let Some(a) = &placed.address {
-                    for (hook, rule) in self.rules(&placed.id, a, chain) {
-                        note(
-                            Self::ipt()
-                                .args(["-D", hook])
-                                .args(rule)
-                                .run()
-                                .await
-                                .map(|_| ()),
-                        );
-                    }
-                    // Placements made before the INPUT rule above jumped from INPUT
-                    // into the egress chain; remove that jump if it is there (absent
-                    // is the normal case, so its failure is not an error).
-                    let _ = Self::ipt()
+                    // A placement made by an agent from before the INPUT drop rule has,
+                    // instead, a jump from INPUT into the egress chain: remove that if
+                    // it is there (absent is the normal case, not an error).
+                    let legacy = Self::ipt()
                         .args(["-D", "INPUT", "-s", &format!("{}/32", a.ip)])
                         .args([
                             "-m",
@@ -458,7 +448,21 @@ impl Placement for Standalone {
                         ])
                         .args(["-j", chain.as_str()])
                         .run()
-                        .await;
+                        .await
+                        .is_ok();
+                    for (hook, rule) in self.rules(&placed.id, a, chain) {
+                        if legacy && hook == "INPUT" {
+                            continue;
+                        }
+                        note(
+                            Self::ipt()
+                                .args(["-D", hook])
+                                .args(rule)
+                                .run()
+                                .await
+                                .map(|_| ()),
+                        );
+                    }
                 }
                 note(
                     Self::ipt()

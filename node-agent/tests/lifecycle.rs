@@ -510,3 +510,71 @@ async fn a_snapshot_into_a_full_store_fails_cleanly_and_leaves_the_source_runnin
     drop(tmpfs);
     h.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_removes_the_input_jump_of_a_placement_made_by_an_older_agent() {
+    use ramify_node_agent::placement::{Placement, PlacementRequest, chain_name};
+    let h = harness("legacy-release").await;
+    let p = standalone(&h.dir.join("cni-legacy"));
+    let id = format!(
+        "{PREFIX}{}-{}",
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    let chain = chain_name(&id);
+    let placed = p
+        .place(&PlacementRequest {
+            id: id.clone(),
+            egress_allow: vec![],
+        })
+        .await
+        .unwrap();
+    // Turn it into what an older agent made: INPUT jumped into the egress chain.
+    let ip = placed.address.as_ref().unwrap().ip;
+    let comment = format!("ramify:{id}");
+    let ipt = |args: &[&str]| {
+        let out = std::process::Command::new("iptables")
+            .args(["-w", "5"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "iptables {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let input: Vec<String> = iptables_lines_mentioning(&[&id])
+        .into_iter()
+        .filter(|l| l.starts_with("-A INPUT "))
+        .collect();
+    assert_eq!(input.len(), 1, "{input:?}");
+    let del: Vec<String> = input[0]
+        .split_whitespace()
+        .skip(1)
+        .map(|s| s.trim_matches('"').to_string())
+        .collect();
+    let mut args = vec!["-D"];
+    args.extend(del.iter().map(String::as_str));
+    ipt(&args);
+    ipt(&[
+        "-I",
+        "INPUT",
+        "1",
+        "-s",
+        &format!("{ip}/32"),
+        "-m",
+        "comment",
+        "--comment",
+        &comment,
+        "-j",
+        &chain,
+    ]);
+    p.release(&placed)
+        .await
+        .unwrap_or_else(|e| panic!("release of an older placement: {e}"));
+    let left = iptables_lines_mentioning(&[&id, &chain]);
+    assert!(left.is_empty(), "release left {left:#?}");
+    assert!(!Path::new("/run/netns").join(&id).exists());
+    h.finish().await;
+}
