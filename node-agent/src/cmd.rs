@@ -5,9 +5,19 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::Command;
 
 use crate::error::{Error, Result};
+
+/// Most bytes of stdout kept from one command. Commit tarballs travel on a `runsc exec`'s
+/// stdout, so this is also the largest Paths commit. Anything the workload runs (its
+/// `tar`, a branch's run or verdict command) writes here, so it must be bounded.
+pub const MAX_STDOUT: usize = 256 << 20;
+/// Most bytes of stderr kept from one command: error text, never data.
+pub const MAX_STDERR: usize = 1 << 20;
+/// Tail of a `log_to` file reported in place of stderr.
+const LOG_TAIL: u64 = 8192;
 
 /// Output of a finished command.
 #[derive(Debug, Clone)]
@@ -34,6 +44,8 @@ pub struct Cmd {
     stdin_file: Option<std::path::PathBuf>,
     log_file: Option<std::path::PathBuf>,
     env: Vec<(OsString, OsString)>,
+    max_stdout: usize,
+    max_stderr: usize,
 }
 
 impl Cmd {
@@ -44,7 +56,17 @@ impl Cmd {
             stdin_file: None,
             log_file: None,
             env: Vec::new(),
+            max_stdout: MAX_STDOUT,
+            max_stderr: MAX_STDERR,
         }
+    }
+
+    /// Lower (or raise) the output caps: a command writing more than `stdout` or
+    /// `stderr` bytes is killed and fails with [`Error::OutputTooLarge`].
+    pub fn max_output(mut self, stdout: usize, stderr: usize) -> Self {
+        self.max_stdout = stdout;
+        self.max_stderr = stderr;
+        self
     }
 
     pub fn arg(mut self, a: impl Into<OsString>) -> Self {
@@ -152,7 +174,7 @@ impl Cmd {
             .and_then(|p| std::fs::metadata(p).ok())
             .map_or(0, |m| m.len());
         let mut c = self.build()?;
-        let child = c.spawn().map_err(|source| {
+        let mut child = c.spawn().map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
                 Error::MissingTool(self.argv[0].to_string_lossy().into_owned())
             } else {
@@ -162,33 +184,59 @@ impl Cmd {
                 }
             }
         })?;
-        let out = tokio::time::timeout(self.timeout, child.wait_with_output())
-            .await
-            .map_err(|_| Error::Timeout {
-                command: self.display(),
-                seconds: self.timeout.as_secs(),
-            })?
-            .map_err(|source| Error::Spawn {
-                command: self.display(),
-                source,
-            })?;
-        let mut stderr = out.stderr;
+        let (out, err) = (child.stdout.take(), child.stderr.take());
+        let finished = async {
+            // Both pipes are drained together (a child blocked on a full stderr pipe
+            // would never close stdout), each up to its cap.
+            let (stdout, stderr) = tokio::try_join!(
+                read_capped(out, self.max_stdout, "stdout"),
+                read_capped(err, self.max_stderr, "stderr"),
+            )?;
+            let status = child.wait().await.map_err(Capped::Io)?;
+            Ok::<_, Capped>((status, stdout, stderr))
+        };
+        let (status, stdout, mut stderr) = match tokio::time::timeout(self.timeout, finished).await
+        {
+            Err(_) => {
+                return Err(Error::Timeout {
+                    command: self.display(),
+                    seconds: self.timeout.as_secs(),
+                });
+            }
+            Ok(Err(Capped::Io(source))) => {
+                return Err(Error::Spawn {
+                    command: self.display(),
+                    source,
+                });
+            }
+            Ok(Err(Capped::Over { stream, limit })) => {
+                // Stop the writer now instead of draining it; the child is reaped by
+                // tokio once it is dead (kill_on_drop covers the error paths above).
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                return Err(Error::OutputTooLarge {
+                    command: self.display(),
+                    stream,
+                    limit,
+                });
+            }
+            Ok(Ok(r)) => r,
+        };
         if let Some(p) = &self.log_file {
-            // What this invocation appended (bounded), standing in for stderr.
-            if let Ok(all) = std::fs::read(p) {
-                let from = (log_start as usize)
-                    .min(all.len())
-                    .max(all.len().saturating_sub(8192));
-                stderr = all[from..].to_vec();
+            // What this invocation appended (its last LOG_TAIL bytes), standing in for
+            // stderr. Only the tail is read: the sandbox's console output goes to the
+            // same file and may be arbitrarily large.
+            if let Some(tail) = read_tail(p, log_start, LOG_TAIL) {
+                stderr = tail;
             }
         }
         Ok(Output {
             // A signal death has no code; report it as 128+signal like a shell.
-            code: out.status.code().unwrap_or_else(|| {
+            code: status.code().unwrap_or_else(|| {
                 use std::os::unix::process::ExitStatusExt;
-                128 + out.status.signal().unwrap_or(0)
+                128 + status.signal().unwrap_or(0)
             }),
-            stdout: out.stdout,
+            stdout,
             stderr,
         })
     }
@@ -204,5 +252,157 @@ impl Cmd {
             });
         }
         Ok(out)
+    }
+}
+
+/// Why reading a child's pipe stopped early.
+enum Capped {
+    Io(std::io::Error),
+    Over { stream: &'static str, limit: usize },
+}
+
+/// Everything from `pipe` (none: empty), failing as soon as it exceeds `limit` bytes.
+/// Never holds more than `limit` bytes: the chunk that would cross it is not kept.
+async fn read_capped(
+    pipe: Option<impl AsyncRead + Unpin>,
+    limit: usize,
+    stream: &'static str,
+) -> std::result::Result<Vec<u8>, Capped> {
+    let mut buf = Vec::new();
+    let Some(mut pipe) = pipe else {
+        return Ok(buf);
+    };
+    let mut chunk = vec![0u8; 64 << 10];
+    loop {
+        let n = pipe.read(&mut chunk).await.map_err(Capped::Io)?;
+        if n == 0 {
+            return Ok(buf);
+        }
+        if buf.len().saturating_add(n) > limit {
+            return Err(Capped::Over { stream, limit });
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// At most the last `max` bytes of `path` past offset `from`.
+fn read_tail(path: &Path, from: u64, max: u64) -> Option<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    let start = from.min(len).max(len.saturating_sub(max));
+    f.seek(SeekFrom::Start(start)).ok()?;
+    let mut out = Vec::new();
+    f.take(max).read_to_end(&mut out).ok()?;
+    Some(out)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    /// Peak resident memory of this process (VmHWM), in bytes.
+    fn peak_rss() -> u64 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap();
+        let kb: u64 = s
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        kb * 1024
+    }
+
+    #[tokio::test]
+    async fn endless_stdout_is_cut_at_the_cap_with_a_typed_error() {
+        // `yes` never stops: without a cap this buffers until the timeout (or OOM).
+        let before = peak_rss();
+        let t = std::time::Instant::now();
+        let err = Cmd::new("yes")
+            .timeout(Duration::from_secs(60))
+            .output()
+            .await
+            .expect_err("endless output accepted");
+        let took = t.elapsed();
+        match &err {
+            Error::OutputTooLarge { stream, limit, .. } => {
+                assert_eq!(*stream, "stdout");
+                assert_eq!(*limit, MAX_STDOUT);
+            }
+            other => panic!("expected OutputTooLarge, got {other}"),
+        }
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("more than {MAX_STDOUT} bytes")) && msg.contains("yes"),
+            "{msg}"
+        );
+        let grown = peak_rss().saturating_sub(before);
+        eprintln!("{msg} after {took:?}; peak RSS grew by {grown} bytes");
+        // The buffer holds at most the cap (plus a 64 KiB read chunk and allocator slack).
+        assert!(
+            grown <= (MAX_STDOUT as u64) + (32 << 20),
+            "peak RSS grew by {grown} bytes for a {MAX_STDOUT}-byte cap"
+        );
+        assert!(took < Duration::from_secs(60), "took {took:?}");
+    }
+
+    #[tokio::test]
+    async fn output_up_to_the_cap_is_kept_and_one_byte_more_is_refused() {
+        let cap = 100_000;
+        let sh = |n: usize| {
+            Cmd::new("sh")
+                .args(["-c", &format!("head -c {n} /dev/zero")])
+                .max_output(cap, 1000)
+        };
+        let out = sh(cap).output().await.unwrap();
+        assert_eq!(out.code, 0);
+        assert_eq!(out.stdout.len(), cap);
+        let err = sh(cap + 1).output().await.expect_err("over the cap");
+        assert!(
+            matches!(err, Error::OutputTooLarge { stream: "stdout", limit, .. } if limit == cap),
+            "{err}"
+        );
+        // stderr has its own cap; the child is killed, not waited for.
+        let t = std::time::Instant::now();
+        let err = Cmd::new("sh")
+            .args(["-c", "head -c 5000 /dev/zero >&2; sleep 30"])
+            .max_output(cap, 1000)
+            .output()
+            .await
+            .expect_err("stderr over the cap");
+        assert!(
+            matches!(
+                err,
+                Error::OutputTooLarge {
+                    stream: "stderr",
+                    limit: 1000,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "waited for the child"
+        );
+        assert!(
+            err.to_string().contains("more than 1000 bytes to stderr"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_huge_log_file_is_reported_by_its_tail() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("console.log");
+        let out = Cmd::new("sh")
+            .args(["-c", "head -c 3000000 /dev/zero; echo the-end >&2; exit 3"])
+            .log_to(&log)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.code, 3);
+        assert!(out.stderr.len() as u64 <= LOG_TAIL);
+        assert!(String::from_utf8_lossy(&out.stderr).ends_with("the-end\n"));
     }
 }

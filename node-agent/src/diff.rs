@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use globset::{Glob, GlobSet, GlobSetBuilder};
+use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -159,10 +159,18 @@ pub fn glob_roots(globs: &[String]) -> Result<Vec<String>> {
     Ok(roots)
 }
 
+/// The matcher of commit path globs. `*`, `?` and `[...]` stay within one path
+/// component (shell semantics: `/work/*` is `/work/a`, not `/work/a/b`); only `**`
+/// crosses directories. Without `literal_separator`, globset lets `*` match `/`, which
+/// would promote far more than the allowlist reads as.
 pub fn globset(globs: &[String]) -> Result<GlobSet> {
     let mut b = GlobSetBuilder::new();
     for g in globs {
-        b.add(Glob::new(g).map_err(|e| Error::Invalid(format!("bad glob {g:?}: {e}")))?);
+        let glob = GlobBuilder::new(g)
+            .literal_separator(true)
+            .build()
+            .map_err(|e| Error::Invalid(format!("bad glob {g:?}: {e}")))?;
+        b.add(glob);
     }
     b.build().map_err(|e| Error::Invalid(e.to_string()))
 }
@@ -190,7 +198,13 @@ fn tar_octal(field: &[u8]) -> Option<u64> {
 /// by `work/x/passwd`, a hard link, a device, `..` components. Accepted: ustar/GNU
 /// regular-file entries (GNU long names allowed) whose names are exactly the requested
 /// paths (without the leading `/`), each once, every one present, with the size and
-/// sha256 the manifest recorded. Anything else rejects the whole commit.
+/// sha256 the manifest recorded, and no setuid, setgid or sticky bit in their mode.
+/// Anything else rejects the whole commit.
+///
+/// Special mode bits are refused rather than stripped: the parent unpacks as root and
+/// keeps modes, so a promoted setuid file is a privilege handed over by a workload;
+/// silently promoting a different file than the winner had would hide that, while a
+/// refusal names the path and lets a human decide.
 pub fn check_commit_tar(tar: &[u8], expected: &Manifest) -> Result<()> {
     use sha2::{Digest, Sha256};
     let bad = |what: String| Error::Invalid(format!("commit tarball refused: {what}"));
@@ -263,6 +277,14 @@ pub fn check_commit_tar(tar: &[u8], expected: &Manifest) -> Result<()> {
                 "entry {:?} is of type {:?}, only regular files are promoted",
                 shown(&name),
                 char::from(typeflag)
+            )));
+        }
+        let mode = tar_octal(&h[100..108])
+            .ok_or_else(|| bad(format!("bad mode field of entry {:?}", shown(&name))))?;
+        if mode & 0o7000 != 0 {
+            return Err(bad(format!(
+                "entry {:?} has mode {mode:04o} (setuid/setgid/sticky); such files are never promoted",
+                shown(&name)
             )));
         }
         let path = format!("/{}", name.trim_start_matches('/'));
@@ -393,6 +415,46 @@ mod tests {
         assert!(parse_manifest("S x /a\n").is_err());
         assert!(parse_manifest("H short /a\n").is_err());
         assert!(parse_manifest("S 1 relative\n").is_err());
+    }
+
+    #[test]
+    fn star_stays_in_one_component() {
+        let set = globset(&["/work/*".into()]).unwrap();
+        assert!(set.is_match("/work/a"));
+        assert!(!set.is_match("/work/a/b"));
+        assert!(!set.is_match("/work/a/b/c"));
+        let set = globset(&["/work/*.txt".into(), "/w/?".into(), "/v/[ab]".into()]).unwrap();
+        assert!(set.is_match("/work/x.txt"));
+        assert!(!set.is_match("/work/sub/x.txt"));
+        assert!(set.is_match("/w/a") && !set.is_match("/w//"));
+        assert!(set.is_match("/v/a") && !set.is_match("/v/a/b"));
+        // `**` still crosses directories.
+        let set = globset(&["/work/**".into(), "/**/*.db".into()]).unwrap();
+        assert!(set.is_match("/work/a/b/c"));
+        assert!(set.is_match("/x/y/z.db"));
+        assert!(!set.is_match("/x/y/z.dbx"));
+        // A diff with `/work/*` leaves deeper files alone.
+        let f = |s: u64| FileEntry {
+            size: s,
+            sha256: "1".repeat(64),
+        };
+        let now: Manifest = [
+            ("/work/a".to_string(), f(1)),
+            ("/work/d/b".to_string(), f(2)),
+        ]
+        .into();
+        let d = diff(
+            &Manifest::new(),
+            &now,
+            &globset(&["/work/*".into()]).unwrap(),
+        );
+        assert_eq!(
+            d.added,
+            vec![Change {
+                path: "/work/a".into(),
+                size: 1
+            }]
+        );
     }
 
     #[test]

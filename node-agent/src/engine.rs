@@ -422,8 +422,30 @@ impl Engine {
     #[instrument(skip(self, sb), fields(id = %sb.id))]
     pub async fn snapshot(&self, sb: &mut Sandbox, ttl: Option<Duration>) -> Result<SnapshotInfo> {
         let snap_id = format!("snap-{}", uuid::Uuid::new_v4().simple());
-        let img = self.inner.store.begin(&snap_id)?;
         let leave_running = self.inner.runsc.caps().leave_running;
+        if !leave_running {
+            // Without --leave-running the checkpoint stops the source, and a failed one
+            // (a store running out of space half-way) leaves it stopped for good. So
+            // refuse up front when the store cannot hold what the source may need: its
+            // image is at most the memory charged to its cgroup (guest memory, rootfs
+            // overlay and the sentry's own heap, which is not saved; an overestimate).
+            if let (Ok(need), Some(free)) = (self.memory_bytes(sb), self.store_free_bytes())
+                && free < need
+            {
+                return Err(Error::Snapshot {
+                    reason: self.store_full_reason(&format!(
+                        "{free} bytes free, the source holds {need} bytes of memory its image \
+                         may need; refused before checkpointing (which would stop the source)"
+                    )),
+                    id: snap_id,
+                });
+            }
+        }
+        let img = self
+            .inner
+            .store
+            .begin(&snap_id)
+            .map_err(|e| self.capture_failed(&snap_id, e, ""))?;
         let t0 = Instant::now();
         let ck = self
             .inner
@@ -432,8 +454,12 @@ impl Engine {
             .await;
         let checkpoint = t0.elapsed();
         if let Err(e) = ck {
-            self.inner.store.remove(&snap_id).ok();
-            return Err(e);
+            let note = if !leave_running && !self.is_running(sb).await.unwrap_or(false) {
+                "; the source is stopped: this runsc stops it to checkpoint it"
+            } else {
+                ""
+            };
+            return Err(self.capture_failed(&snap_id, e, note));
         }
         if !leave_running {
             let resumed = async {
@@ -477,10 +503,7 @@ impl Engine {
         };
         let meta = match self.inner.store.seal(meta) {
             Ok(m) => m,
-            Err(e) => {
-                self.inner.store.remove(&snap_id).ok();
-                return Err(e);
-            }
+            Err(e) => return Err(self.capture_failed(&snap_id, e, "")),
         };
         info!(snapshot = %snap_id, ?checkpoint, ?source_pause, size = meta.size_bytes, "snapshot taken");
         Ok(SnapshotInfo {
@@ -488,6 +511,46 @@ impl Engine {
             source_pause,
             checkpoint,
         })
+    }
+
+    /// Bytes the snapshot store's file system has free for the agent.
+    fn store_free_bytes(&self) -> Option<u64> {
+        let st = nix::sys::statvfs::statvfs(self.inner.store.dir()).ok()?;
+        Some(st.blocks_available().saturating_mul(st.fragment_size()))
+    }
+
+    /// A failed capture: its partial image is removed, and a store that ran out of
+    /// space is named as the reason (runsc's own message only says where it failed).
+    fn capture_failed(&self, snap_id: &str, e: Error, note: &str) -> Error {
+        let removed = self.inner.store.remove(snap_id);
+        if let Err(r) = &removed {
+            warn!(snapshot = %snap_id, error = %r, "removing a failed snapshot's image");
+        }
+        let leftover = match removed {
+            Ok(()) => String::new(),
+            Err(r) => format!("; its partial image could not be removed: {r}"),
+        };
+        let reason = if out_of_space(&e) {
+            self.store_full_reason(&match &e {
+                Error::Command { stderr, .. } => format!("runsc checkpoint: {stderr}"),
+                other => other.to_string(),
+            })
+        } else if note.is_empty() && leftover.is_empty() {
+            return e;
+        } else {
+            e.to_string()
+        };
+        Error::Snapshot {
+            id: snap_id.into(),
+            reason: format!("{reason}{note}{leftover}"),
+        }
+    }
+
+    fn store_full_reason(&self, detail: &str) -> String {
+        format!(
+            "snapshot store {} has no space left for the image (ENOSPC): {detail}",
+            self.inner.store.dir().display()
+        )
     }
 
     /// Restore one branch from a verified image.
@@ -685,6 +748,23 @@ impl Engine {
                     links.trim().chars().take(1000).collect::<String>()
                 )));
             }
+        }
+        // The tarball travels on a `runsc exec` stdout, capped at MAX_STDOUT: refuse a
+        // commit that cannot fit up front, with its size, rather than tar and cut it.
+        let tar_bytes: u64 = d
+            .added
+            .iter()
+            .chain(&d.modified)
+            .map(|c| c.size.div_ceil(512) * 512 + 1024 + (c.path.len() as u64).div_ceil(512) * 512)
+            .sum::<u64>()
+            + 10240;
+        if !copy.is_empty() && tar_bytes > crate::cmd::MAX_STDOUT as u64 {
+            return Err(Error::Invalid(format!(
+                "commit refused: {} changed files of {} bytes exceed the {}-byte limit of a Paths commit",
+                copy.len(),
+                d.bytes(),
+                crate::cmd::MAX_STDOUT
+            )));
         }
         if !copy.is_empty() {
             let tarball = winner
@@ -1101,6 +1181,20 @@ pub fn pids_mentioning(needle: &str) -> Vec<i32> {
                 .unwrap_or(false)
         })
         .collect()
+}
+
+/// Whether `e` is a file system out of space (ENOSPC, or a quota: EDQUOT), from our own
+/// I/O or from runsc's message (Go prints the errno's text).
+fn out_of_space(e: &Error) -> bool {
+    match e {
+        Error::Io { source, .. } => {
+            matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+        }
+        Error::Command { stderr, .. } => {
+            stderr.contains("no space left on device") || stderr.contains("disk quota exceeded")
+        }
+        _ => false,
+    }
 }
 
 /// Drop the record of a container whose sandbox has exited (after checkpoint).

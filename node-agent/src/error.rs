@@ -18,6 +18,12 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error("`{command}` wrote more than {limit} bytes to {stream}; it was killed")]
+    OutputTooLarge {
+        command: String,
+        stream: &'static str,
+        limit: usize,
+    },
     #[error("`{command}` timed out after {seconds}s")]
     Timeout { command: String, seconds: u64 },
     #[error("{what} {}: {source}", path.display())]

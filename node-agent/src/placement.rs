@@ -235,6 +235,8 @@ impl Standalone {
         let (addr, veth) = parse_cni_result(&out.stdout, &self.cfg.bridge)?;
         placed.address = Some(addr.clone());
         placed.host_veth = veth.clone();
+        // The bridge exists once CNI ADD ran (it creates it on first use).
+        self.disable_ipv6_on_bridge()?;
         if let Some(v) = &veth {
             // Isolated bridge ports cannot talk to each other, only to the bridge
             // (the gateway), where iptables sees and filters the traffic.
@@ -281,27 +283,66 @@ impl Standalone {
             .args(["-A", chain.as_str(), "-j", "DROP"])
             .run()
             .await?;
-        let src = format!("{}/32", addr.ip);
-        let comment = format!("ramify:{}", req.id);
-        for hook in ["INPUT", "FORWARD"] {
-            Self::ipt()
-                .args([
-                    "-I",
-                    hook,
-                    "1",
-                    "-s",
-                    src.as_str(),
-                    "-m",
-                    "comment",
-                    "--comment",
-                    comment.as_str(),
-                    "-j",
-                    chain.as_str(),
-                ])
-                .run()
-                .await?;
+        for (hook, rule) in self.rules(&req.id, &addr, &chain) {
+            Self::ipt().args(["-I", hook, "1"]).args(rule).run().await?;
         }
         Ok(())
+    }
+
+    /// The rules a placement inserts, as (hook, rule spec), tagged with the sandbox id
+    /// so that release and the orphan sweep find them.
+    ///
+    /// FORWARD: everything the sandbox sends off this node goes through its egress
+    /// chain (the allowlist). INPUT: the host itself is never a destination, whatever
+    /// the allowlist says (`0.0.0.0/0` must not open the API server, the agent or
+    /// anything else listening here): new connections arriving from the bridge are
+    /// dropped; only replies to connections the host opened pass. Keyed on the bridge
+    /// rather than the sandbox's address, so a forged source address does not escape
+    /// it. Each sandbox carries its own copy, so the rule lives exactly as long as some
+    /// sandbox is on the bridge and is removed like the other rules.
+    fn rules(&self, id: &str, addr: &Address, chain: &str) -> [(&'static str, Vec<String>); 2] {
+        let comment = vec![
+            "-m".to_string(),
+            "comment".into(),
+            "--comment".into(),
+            format!("ramify:{id}"),
+        ];
+        let mut input = vec!["-i".to_string(), self.cfg.bridge.clone()];
+        input.extend(comment.iter().cloned());
+        input.extend(
+            [
+                "-m",
+                "conntrack",
+                "!",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "DROP",
+            ]
+            .map(String::from),
+        );
+        let mut forward = vec!["-s".to_string(), format!("{}/32", addr.ip)];
+        forward.extend(comment);
+        forward.extend(["-j".to_string(), chain.to_string()]);
+        [("INPUT", input), ("FORWARD", forward)]
+    }
+
+    /// The host has no IPv6 business with sandboxes (the egress allowlist is IPv4),
+    /// but gVisor gives each sandbox a link-local IPv6 address, through which it could
+    /// reach anything the host serves on `::` via the bridge's own link-local address.
+    /// With IPv6 disabled on the bridge, the host drops every IPv6 packet arriving on
+    /// it (neither delivered nor forwarded). A host without IPv6 has nothing to do.
+    fn disable_ipv6_on_bridge(&self) -> Result<()> {
+        let p = Path::new("/proc/sys/net/ipv6/conf")
+            .join(&self.cfg.bridge)
+            .join("disable_ipv6");
+        if !Path::new("/proc/sys/net/ipv6").exists() {
+            return Ok(());
+        }
+        if std::fs::read(&p).is_ok_and(|v| v.trim_ascii() == b"1") {
+            return Ok(());
+        }
+        std::fs::write(&p, b"1").map_err(|e| Error::io("disable IPv6 on the bridge", &p, e))
     }
 }
 
@@ -394,23 +435,29 @@ impl Placement for Standalone {
             };
             if let Some(chain) = &placed.chain {
                 if let Some(a) = &placed.address {
-                    let src = format!("{}/32", a.ip);
-                    let comment = format!("ramify:{}", placed.id);
-                    for hook in ["INPUT", "FORWARD"] {
+                    // A placement made by an agent from before the INPUT drop rule has,
+                    // instead, a jump from INPUT into the egress chain: remove that if
+                    // it is there (absent is the normal case, not an error).
+                    let legacy = Self::ipt()
+                        .args(["-D", "INPUT", "-s", &format!("{}/32", a.ip)])
+                        .args([
+                            "-m",
+                            "comment",
+                            "--comment",
+                            &format!("ramify:{}", placed.id),
+                        ])
+                        .args(["-j", chain.as_str()])
+                        .run()
+                        .await
+                        .is_ok();
+                    for (hook, rule) in self.rules(&placed.id, a, chain) {
+                        if legacy && hook == "INPUT" {
+                            continue;
+                        }
                         note(
                             Self::ipt()
-                                .args([
-                                    "-D",
-                                    hook,
-                                    "-s",
-                                    src.as_str(),
-                                    "-m",
-                                    "comment",
-                                    "--comment",
-                                    comment.as_str(),
-                                    "-j",
-                                    chain.as_str(),
-                                ])
+                                .args(["-D", hook])
+                                .args(rule)
                                 .run()
                                 .await
                                 .map(|_| ()),

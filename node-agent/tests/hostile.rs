@@ -218,3 +218,109 @@ async fn commit_paths_from_a_hostile_winner_promotes_nothing_outside_the_allowli
     h.destroy_clean(parent).await;
     h.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_paths_refuses_a_setuid_file_from_the_winner() {
+    let h = harness("hostile-suid").await;
+    let mut parent = h
+        .start("parent", "while true; do sleep 1; done", vec![])
+        .await;
+    let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
+    let opts = ForkOptions {
+        name_prefix: "s".into(),
+        track: vec!["/work/**".into()],
+    };
+    let mut ws = h.engine.fork(&snap.meta.id, 1, &opts).await.unwrap();
+    let w = ws.pop().unwrap();
+    // A root-owned setuid (and a setgid) program next to an ordinary file.
+    let modes = h
+        .sh(
+            &w,
+            "cp /bin/busybox /work/suid && chmod 4755 /work/suid && \
+             echo g > /work/sgid && chmod 2755 /work/sgid && echo ok > /work/plain && \
+             stat -c '%a %n' /work/suid /work/sgid",
+        )
+        .await;
+    assert_eq!(modes, "4755 /work/suid\n2755 /work/sgid\n", "setup");
+    let err = h
+        .engine
+        .commit_paths(&parent, &w, &["/work/**".into()])
+        .await
+        .expect_err("setuid file promoted");
+    eprintln!("setuid winner: {err}");
+    let msg = err.to_string();
+    assert!(msg.contains("setuid/setgid/sticky"), "{msg}");
+    assert!(
+        msg.contains("work/sgid") || msg.contains("work/suid"),
+        "{msg}"
+    );
+    // Nothing of the refused commit reached the parent.
+    let ls = h.sh(&parent, "ls -A /work").await;
+    for f in ["suid", "sgid", "plain"] {
+        assert!(!ls.contains(f), "{f} reached the parent: {ls}");
+    }
+    h.destroy_clean(w).await;
+    h.destroy_clean(parent).await;
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_paths_from_a_winner_whose_tar_floods_stdout_is_cut_off() {
+    let h = harness("hostile-flood").await;
+    let mut parent = h
+        .start("parent", "while true; do sleep 1; done", vec![])
+        .await;
+    let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
+    let opts = ForkOptions {
+        name_prefix: "f".into(),
+        track: vec!["/work/**".into()],
+    };
+    let mut ws = h.engine.fork(&snap.meta.id, 1, &opts).await.unwrap();
+    let w = ws.pop().unwrap();
+    // The winner's `tar` writes forever.
+    h.sh(
+        &w,
+        "echo ok > /work/flood.txt && rm /bin/tar && \
+         printf '#!/bin/sh\\nexec /bin/busybox yes\\n' > /bin/tar && chmod +x /bin/tar",
+    )
+    .await;
+    let t = Instant::now();
+    let err = h
+        .engine
+        .commit_paths(&parent, &w, &["/work/**".into()])
+        .await
+        .expect_err("endless tarball accepted");
+    let msg = err.to_string();
+    eprintln!(
+        "flooding tar, after {:?}: {}",
+        t.elapsed(),
+        msg.chars()
+            .rev()
+            .take(120)
+            .collect::<String>()
+            .chars()
+            .rev()
+            .collect::<String>()
+    );
+    assert!(
+        matches!(
+            err,
+            ramify_node_agent::error::Error::OutputTooLarge { stream: "stdout", limit, .. }
+                if limit == ramify_node_agent::cmd::MAX_STDOUT
+        ),
+        "{msg}"
+    );
+    assert!(msg.contains(&format!(
+        "more than {} bytes",
+        ramify_node_agent::cmd::MAX_STDOUT
+    )));
+    let out = h
+        .engine
+        .exec(&parent, &["cat", "/work/flood.txt"])
+        .await
+        .unwrap();
+    assert_ne!(out.code, 0, "part of a refused commit reached the parent");
+    h.destroy_clean(w).await;
+    h.destroy_clean(parent).await;
+    h.finish().await;
+}

@@ -339,6 +339,32 @@ proptest! {
     }
 
     #[test]
+    fn globs_without_double_star_match_exactly_their_depth(
+        comps in proptest::collection::vec("(a|b|\\*|\\?|\\[ab\\]|a\\*)", 1..4),
+        paths in proptest::collection::vec("(/(a|b|ab|aa)){1,6}", 1..20),
+    ) {
+        let glob = format!("/{}", comps.join("/"));
+        let set = diff::globset(std::slice::from_ref(&glob)).unwrap();
+        // Not vacuous: the glob's own literal instance matches.
+        let literal: String = comps
+            .iter()
+            .map(|c| if c == "b" { "/b" } else { "/a" })
+            .collect();
+        prop_assert!(set.is_match(&literal), "{glob} does not match {literal}");
+        for p in &paths {
+            if set.is_match(p) {
+                prop_assert_eq!(
+                    p.matches('/').count(),
+                    comps.len(),
+                    "{} matched {} across a `/`",
+                    glob,
+                    p
+                );
+            }
+        }
+    }
+
+    #[test]
     fn diff_only_reports_allowlisted_paths(
         base in proptest::collection::btree_map("(/(a|b|w)){1,3}", (0u64..3, "[12]"), 0..10),
         now in proptest::collection::btree_map("(/(a|b|w)){1,3}", (0u64..3, "[12]"), 0..10),
@@ -459,6 +485,47 @@ fn commit_tar_check_refuses_hostile_archives() {
         assert!(r.is_err(), "{what}: accepted");
         eprintln!("{what}: {}", r.unwrap_err());
     }
+}
+
+/// `tar` with the mode of its first header set to `mode` (checksum recomputed).
+fn with_mode(mut tar: Vec<u8>, mode: u32) -> Vec<u8> {
+    tar[100..108].copy_from_slice(format!("{mode:07o}\0").as_bytes());
+    tar[148..156].copy_from_slice(b"        ");
+    let sum: u32 = tar[..512].iter().map(|&b| u32::from(b)).sum();
+    tar[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    tar
+}
+
+#[test]
+fn commit_tar_check_refuses_setuid_setgid_and_sticky_files() {
+    let m: Manifest = [(
+        "/w/a".to_string(),
+        FileEntry {
+            size: 3,
+            sha256: sha("abc"),
+        },
+    )]
+    .into();
+    let plain = ustar(&[("w/a", b'0', b"abc", "")]);
+    for ok in [0o644, 0o755, 0o777, 0o600] {
+        diff::check_commit_tar(&with_mode(plain.clone(), ok), &m)
+            .unwrap_or_else(|e| panic!("mode {ok:o}: {e}"));
+    }
+    for bad in [0o4755, 0o2755, 0o1755, 0o6777, 0o4000] {
+        let err = diff::check_commit_tar(&with_mode(plain.clone(), bad), &m)
+            .expect_err(&format!("mode {bad:o} accepted"))
+            .to_string();
+        assert!(err.contains("w/a"), "{err}");
+        assert!(err.contains(&format!("{bad:04o}")), "{err}");
+        assert!(err.contains("setuid/setgid/sticky"), "{err}");
+    }
+    // A garbled mode field is refused, not read as 0.
+    let mut garbled = with_mode(plain, 0o644);
+    garbled[100..108].copy_from_slice(b"99999x9\0");
+    garbled[148..156].copy_from_slice(b"        ");
+    let sum: u32 = garbled[..512].iter().map(|&b| u32::from(b)).sum();
+    garbled[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    assert!(diff::check_commit_tar(&garbled, &m).is_err());
 }
 
 #[test]

@@ -5,13 +5,13 @@
 mod common;
 
 use std::collections::HashSet;
+use std::path::Path;
 use std::time::Duration;
 
 use common::*;
 use ramify_node_agent::control::{Identity, Rejected, Verdict};
 use ramify_node_agent::engine::ForkOptions;
 use ramify_node_agent::error::Error;
-use tokio::io::AsyncReadExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_branch_has_its_own_identity_and_control_files_reach_the_host() {
@@ -97,19 +97,12 @@ async fn each_branch_has_its_own_identity_and_control_files_reach_the_host() {
     h.finish().await;
 }
 
-/// Accept one connection on the bridge gateway (an address of this machine) and
-/// return what was sent, or None if nothing arrives in time.
-async fn listen_once(l: tokio::net::TcpListener, wait: Duration) -> Option<String> {
-    let accepted = tokio::time::timeout(wait, l.accept()).await.ok()?.ok()?;
-    let mut s = accepted.0;
-    let mut buf = String::new();
-    let _ = tokio::time::timeout(Duration::from_secs(3), s.read_to_string(&mut buf)).await;
-    Some(buf)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn egress_is_denied_by_default_and_opened_by_allowlist() {
     let h = harness("egress").await;
+    // The destination is off this host (the host itself is never reachable, see
+    // a_sandbox_has_no_route_to_the_host_even_with_egress_to_everywhere).
+    let ext = ExtNet::new();
     let denied = h
         .start("denied", "while true; do sleep 1; done", vec![])
         .await;
@@ -117,13 +110,10 @@ async fn egress_is_denied_by_default_and_opened_by_allowlist() {
         .start(
             "allowed",
             "while true; do sleep 1; done",
-            vec![GATEWAY.parse().unwrap()],
+            vec![format!("{}/32", ext.ip).parse().unwrap()],
         )
         .await;
-    // The bridge (and its gateway address) exists once a sandbox is placed.
-    let l = tokio::net::TcpListener::bind((GATEWAY, 0)).await.unwrap();
-    let port = l.local_addr().unwrap().port();
-    let got = tokio::spawn(listen_once(l, Duration::from_secs(6)));
+    let (port, got) = ext.listen_once(Duration::from_secs(6));
     let out = h
         .engine
         .exec(
@@ -131,7 +121,7 @@ async fn egress_is_denied_by_default_and_opened_by_allowlist() {
             &[
                 "/bin/sh",
                 "-c",
-                &format!("echo from-denied | nc -w 2 {GATEWAY} {port}"),
+                &format!("echo from-denied | nc -w 2 {} {port}", ext.ip),
             ],
         )
         .await
@@ -143,23 +133,21 @@ async fn egress_is_denied_by_default_and_opened_by_allowlist() {
         out.stdout_str()
     );
     assert_eq!(
-        got.await.unwrap(),
+        got.join().unwrap(),
         None,
         "the listener received a connection from the denied sandbox"
     );
 
-    let l = tokio::net::TcpListener::bind((GATEWAY, 0)).await.unwrap();
-    let port = l.local_addr().unwrap().port();
-    let got = tokio::spawn(listen_once(l, Duration::from_secs(10)));
+    let (port, got) = ext.listen_once(Duration::from_secs(10));
     h.sh(
         &allowed,
-        &format!("echo from-allowed | nc -w 2 {GATEWAY} {port}"),
+        &format!("echo from-allowed | nc -w 2 {} {port}", ext.ip),
     )
     .await;
-    assert_eq!(got.await.unwrap().as_deref(), Some("from-allowed\n"));
-    // The sandboxes cannot reach each other either (isolated bridge ports).
+    assert_eq!(got.join().unwrap().as_deref(), Some("from-allowed\n"));
     h.destroy_clean(denied).await;
     h.destroy_clean(allowed).await;
+    drop(ext);
     h.finish().await;
 }
 
@@ -303,5 +291,290 @@ async fn warm_pool_hands_out_frozen_branches_and_refills() {
     h.destroy_clean(b).await;
     h.destroy_clean(parent).await;
     h.assert_no_leftovers_except(&[]).await;
+    h.finish().await;
+}
+
+/// Every address of this host except loopback (the sandbox's own loopback is its own),
+/// IPv6 link-local ones scoped to the sandbox's link.
+fn host_addresses() -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-o", "addr", "show"])
+        .output()
+        .unwrap();
+    let mut addrs: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(3))
+        .filter_map(|a| a.split('/').next())
+        .filter(|a| !a.starts_with("127.") && *a != "::1")
+        .map(|a| {
+            if a.starts_with("fe80:") {
+                format!("{a}%eth0")
+            } else {
+                a.to_string()
+            }
+        })
+        .collect();
+    addrs.sort();
+    addrs.dedup();
+    addrs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_has_no_route_to_the_host_even_with_egress_to_everywhere() {
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Mutex};
+    let h = harness("no-host").await;
+    // "Everywhere else": a separate network namespace the sandbox must reach.
+    let ext = ExtNet::new();
+    let sb = h
+        .start(
+            "open",
+            "while true; do sleep 1; done",
+            vec!["0.0.0.0/0".parse().unwrap()],
+        )
+        .await;
+    // One listener on every address of the host (dual-stack: 0.0.0.0 and ::), keeping
+    // what each connection sends.
+    let l = std::net::TcpListener::bind("[::]:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    l.set_nonblocking(true).unwrap();
+    let got: Arc<Mutex<Vec<String>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let acceptor = {
+        let (got, stop) = (got.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match l.accept() {
+                    Ok((mut s, peer)) => {
+                        s.set_nonblocking(false).unwrap();
+                        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                        let mut buf = String::new();
+                        let _ = s.read_to_string(&mut buf);
+                        got.lock().unwrap().push(format!("{peer}: {}", buf.trim()));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        })
+    };
+    // The listener is reachable from the host itself (so silence below means blocked).
+    for a in ["127.0.0.1", GATEWAY, "::1"] {
+        let mut s = std::net::TcpStream::connect((a, port))
+            .unwrap_or_else(|e| panic!("host cannot reach its own listener on {a}: {e}"));
+        s.write_all(format!("from-host-{a}").as_bytes()).unwrap();
+    }
+    // The sandbox reaches the outside: 0.0.0.0/0 opens egress.
+    let (ext_port, ext_got) = ext.listen_once(Duration::from_secs(10));
+    h.sh(
+        &sb,
+        &format!("echo from-open | nc -w 2 {} {ext_port}", ext.ip),
+    )
+    .await;
+    assert_eq!(ext_got.join().unwrap().as_deref(), Some("from-open\n"));
+
+    // And none of the host's addresses, tried all at once.
+    let targets = host_addresses();
+    assert!(targets.iter().any(|t| t == GATEWAY), "{targets:?}");
+    let script = format!(
+        "for t in {}; do (echo from-sandbox-$t | nc -w 3 $t {port} >/dev/null 2>&1; echo \"$t $?\") & done; wait",
+        targets.join(" ")
+    );
+    let out = h.sh(&sb, &script).await;
+    eprintln!("host addresses tried from the sandbox (address, nc exit):\n{out}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    acceptor.join().unwrap();
+    let got = got.lock().unwrap().clone();
+    eprintln!("the host listener received: {got:#?}");
+    for a in ["127.0.0.1", GATEWAY, "::1"] {
+        assert!(
+            got.iter().any(|g| g.ends_with(&format!("from-host-{a}"))),
+            "{got:?}"
+        );
+    }
+    let leaked: Vec<&String> = got.iter().filter(|g| g.contains("from-sandbox")).collect();
+    assert!(
+        leaked.is_empty(),
+        "the sandbox reached the host: {leaked:#?}"
+    );
+    let connected: Vec<&str> = out.lines().filter(|l| l.ends_with(" 0")).collect();
+    assert!(
+        connected.is_empty(),
+        "nc connected from the sandbox to host addresses: {connected:?}"
+    );
+    assert_eq!(out.lines().count(), targets.len(), "{out}");
+    h.destroy_clean(sb).await;
+    drop(ext);
+    h.finish().await;
+}
+
+fn iptables_lines_mentioning(needles: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new("iptables")
+        .args(["-w", "5", "-S"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| needles.iter().any(|n| l.contains(n)))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphan_sweep_removes_every_rule_of_a_dead_owners_placement() {
+    use ramify_node_agent::placement::{Placement, PlacementRequest, chain_name};
+    let h = harness("sweep").await;
+    let p = standalone(&h.dir.join("cni-sweep"));
+    // An owner pid above the kernel's pid_max limit (2^22): never alive.
+    let id = format!(
+        "{PREFIX}4194305-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    let chain = chain_name(&id);
+    let placed = p
+        .place(&PlacementRequest {
+            id: id.clone(),
+            egress_allow: vec!["0.0.0.0/0".parse().unwrap()],
+        })
+        .await
+        .unwrap();
+    let rules = iptables_lines_mentioning(&[&id, &chain]);
+    eprintln!("rules of the placement: {rules:#?}");
+    assert!(
+        rules
+            .iter()
+            .any(|l| l.starts_with("-A INPUT ") && l.contains(&id) && l.ends_with("-j DROP")),
+        "no host-input rule: {rules:#?}"
+    );
+    assert!(
+        rules
+            .iter()
+            .any(|l| l.starts_with("-A FORWARD ") && l.contains(&chain)),
+        "no egress rule: {rules:#?}"
+    );
+    let swept = ramify_node_agent::sweep::sweep_orphans(PREFIX, "/ramify-test").await;
+    eprintln!("swept: {swept:#?}");
+    let left = iptables_lines_mentioning(&[&id, &chain]);
+    assert!(left.is_empty(), "the sweep left {left:#?}");
+    assert!(!Path::new("/run/netns").join(&id).exists());
+    // The sweep does not release IP leases; CNI DEL does (and tolerates the rest gone).
+    let _ = p.release(&placed).await;
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_into_a_full_store_fails_cleanly_and_leaves_the_source_running() {
+    let h = harness("full-store").await;
+    // Only the snapshot store is on the small file system: the sandbox itself runs.
+    let store = h.engine.store().dir().to_path_buf();
+    let tmpfs = Tmpfs::mount(&store, "8m");
+    let mut sb = h.start("big", COUNTER, vec![]).await;
+    // 48 MiB of incompressible memory (/tmp is in the sandbox's memory overlay) does
+    // not fit in 8 MiB.
+    let sum = h
+        .sh(
+            &sb,
+            "head -c 50331648 /dev/urandom > /tmp/big && sha256sum /tmp/big",
+        )
+        .await;
+    let before = h.counter(&sb).await;
+    let err = h
+        .engine
+        .snapshot(&mut sb, None)
+        .await
+        .expect_err("a 48 MiB image fit in an 8 MiB store");
+    let msg = err.to_string();
+    eprintln!("snapshot into a full store: {msg}");
+    assert!(
+        msg.contains("no space left") && msg.contains("ENOSPC"),
+        "no clear reason: {msg}"
+    );
+    assert!(
+        msg.contains(&store.display().to_string()),
+        "the store is not named: {msg}"
+    );
+    // The source runs on, unchanged.
+    assert!(h.engine.is_running(&sb).await.unwrap(), "source stopped");
+    assert_eq!(h.sh(&sb, "sha256sum /tmp/big").await, sum);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(h.counter(&sb).await > before, "source's counter stopped");
+    // Nothing half-written stays in the store, and the space is free again.
+    let left: Vec<_> = std::fs::read_dir(&store)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "store keeps {left:?}");
+    assert!(h.engine.store().list().unwrap().is_empty());
+    h.destroy_clean(sb).await;
+    drop(tmpfs);
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_removes_the_input_jump_of_a_placement_made_by_an_older_agent() {
+    use ramify_node_agent::placement::{Placement, PlacementRequest, chain_name};
+    let h = harness("legacy-release").await;
+    let p = standalone(&h.dir.join("cni-legacy"));
+    let id = format!(
+        "{PREFIX}{}-{}",
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    let chain = chain_name(&id);
+    let placed = p
+        .place(&PlacementRequest {
+            id: id.clone(),
+            egress_allow: vec![],
+        })
+        .await
+        .unwrap();
+    // Turn it into what an older agent made: INPUT jumped into the egress chain.
+    let ip = placed.address.as_ref().unwrap().ip;
+    let comment = format!("ramify:{id}");
+    let ipt = |args: &[&str]| {
+        let out = std::process::Command::new("iptables")
+            .args(["-w", "5"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "iptables {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let input: Vec<String> = iptables_lines_mentioning(&[&id])
+        .into_iter()
+        .filter(|l| l.starts_with("-A INPUT "))
+        .collect();
+    assert_eq!(input.len(), 1, "{input:?}");
+    let del: Vec<String> = input[0]
+        .split_whitespace()
+        .skip(1)
+        .map(|s| s.trim_matches('"').to_string())
+        .collect();
+    let mut args = vec!["-D"];
+    args.extend(del.iter().map(String::as_str));
+    ipt(&args);
+    ipt(&[
+        "-I",
+        "INPUT",
+        "1",
+        "-s",
+        &format!("{ip}/32"),
+        "-m",
+        "comment",
+        "--comment",
+        &comment,
+        "-j",
+        &chain,
+    ]);
+    p.release(&placed)
+        .await
+        .unwrap_or_else(|e| panic!("release of an older placement: {e}"));
+    let left = iptables_lines_mentioning(&[&id, &chain]);
+    assert!(left.is_empty(), "release left {left:#?}");
+    assert!(!Path::new("/run/netns").join(&id).exists());
     h.finish().await;
 }

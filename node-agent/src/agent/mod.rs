@@ -207,6 +207,7 @@ fn error_category(e: &Error) -> &'static str {
     match e {
         Error::Command { .. } | Error::Spawn { .. } | Error::RunscOutput(_) => "runsc",
         Error::Timeout { .. } => "timeout",
+        Error::OutputTooLarge { .. } => "output_too_large",
         Error::Io { .. } => "io",
         Error::MissingTool(_) => "missing_tool",
         Error::Unsupported { .. } => "unsupported",
@@ -895,7 +896,18 @@ impl Agent {
                     let sb = g
                         .as_ref()
                         .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
-                    self.engine.exec_with(sb, &run, &env, timeout).await?
+                    match self.engine.exec_with(sb, &run, &env, timeout).await {
+                        // A run that floods its output is the branch's failure, not
+                        // the agent's: abort it instead of retrying forever.
+                        Err(Error::OutputTooLarge { stream, limit, .. }) => {
+                            return Ok((
+                                None,
+                                VerdictValue::Abort,
+                                format!("run wrote more than {limit} bytes to {stream}"),
+                            ));
+                        }
+                        r => r?,
+                    }
                 };
                 exit_code = Some(out.code);
                 if let Some(v) = self.verdict_file(&h).await {
@@ -938,6 +950,11 @@ impl Agent {
                         exit_code,
                         VerdictValue::Abort,
                         format!("verdict command timed out after {seconds}s"),
+                    ),
+                    Err(Error::OutputTooLarge { stream, limit, .. }) => (
+                        exit_code,
+                        VerdictValue::Abort,
+                        format!("verdict command wrote more than {limit} bytes to {stream}"),
                     ),
                     Err(e) => return Err(e),
                 });

@@ -75,6 +75,16 @@ pub async fn rootfs() -> PathBuf {
                     if let Some(pid) = name.split('-').next().and_then(|p| p.parse::<u32>().ok())
                         && !Path::new("/proc").join(pid.to_string()).exists()
                     {
+                        // A killed test may have left a Tmpfs mounted in there.
+                        let mounts =
+                            std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+                        for m in mounts.lines().filter_map(|l| l.split(' ').nth(4)) {
+                            if Path::new(m).starts_with(e.path()) {
+                                let _ = std::process::Command::new("umount")
+                                    .args(["-l", m])
+                                    .status();
+                            }
+                        }
                         let _ = std::fs::remove_dir_all(e.path());
                     }
                 }
@@ -113,6 +123,19 @@ pub async fn rootfs() -> PathBuf {
         .clone()
 }
 
+/// The tests' standalone placement (bridge, subnet and IP leases shared by all).
+pub fn standalone(conf_dir: &Path) -> Standalone {
+    Standalone::new(StandaloneConfig {
+        cni_bin_dir: "/usr/lib/cni".into(),
+        bridge: BRIDGE.into(),
+        subnet: SUBNET.into(),
+        ipam_dir: base().join("ipam"),
+        conf_dir: conf_dir.to_path_buf(),
+        cgroup_parent: "/ramify-test".into(),
+    })
+    .unwrap()
+}
+
 pub struct Harness {
     pub engine: Engine,
     pub rootfs: PathBuf,
@@ -127,15 +150,7 @@ pub async fn harness(test: &str) -> Harness {
         &uuid::Uuid::new_v4().simple().to_string()[..6]
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    let placement = Standalone::new(StandaloneConfig {
-        cni_bin_dir: "/usr/lib/cni".into(),
-        bridge: BRIDGE.into(),
-        subnet: SUBNET.into(),
-        ipam_dir: base().join("ipam"),
-        conf_dir: dir.join("cni"),
-        cgroup_parent: "/ramify-test".into(),
-    })
-    .unwrap();
+    let placement = standalone(&dir.join("cni"));
     let engine = Engine::new(
         EngineConfig {
             state_dir: dir.join("state"),
@@ -242,6 +257,154 @@ impl Harness {
             let (dir, cg) = self.engine.paths_of(&id);
             let left = self.engine.leftovers(&id, &dir, &cg).await;
             assert!(left.is_empty(), "leftovers of {id}: {left:#?}");
+        }
+    }
+}
+
+/// A stand-in for "another machine": a network namespace joined to the host by a veth
+/// pair, routed (through the host's FORWARD path) like any address off this node. Its
+/// name is an orphan-sweepable id (`<PREFIX><pid>-ext<n>`), so a crashed test leaves
+/// nothing the next run does not remove. Dropping it deletes the netns and the pair.
+pub struct ExtNet {
+    pub netns: String,
+    /// The address of the outside machine.
+    pub ip: std::net::Ipv4Addr,
+}
+
+impl ExtNet {
+    pub fn new() -> ExtNet {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid = std::process::id();
+        let netns = format!("{PREFIX}{pid}-ext{n}");
+        let host_if = format!("rx{pid}x{n}");
+        assert!(host_if.len() <= 15, "{host_if}");
+        // 198.18.0.0/15 (benchmarking range): one /30 per ExtNet.
+        let third = (pid % 256) as u8;
+        let fourth = ((n % 64) * 4) as u8;
+        let host_ip = std::net::Ipv4Addr::new(198, 18, third, fourth + 1);
+        let ip = std::net::Ipv4Addr::new(198, 18, third, fourth + 2);
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new("ip")
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "ip {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ext = ExtNet { netns, ip };
+        run(&["netns", "add", &ext.netns]);
+        run(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", "ext0", "netns", &ext.netns,
+        ]);
+        run(&["addr", "add", &format!("{host_ip}/30"), "dev", &host_if]);
+        run(&["link", "set", &host_if, "up"]);
+        run(&[
+            "-n",
+            &ext.netns,
+            "addr",
+            "add",
+            &format!("{ip}/30"),
+            "dev",
+            "ext0",
+        ]);
+        run(&["-n", &ext.netns, "link", "set", "ext0", "up"]);
+        run(&["-n", &ext.netns, "link", "set", "lo", "up"]);
+        run(&[
+            "-n",
+            &ext.netns,
+            "route",
+            "add",
+            "default",
+            "via",
+            &host_ip.to_string(),
+        ]);
+        ext
+    }
+
+    /// A TCP listener on `ip` inside the namespace, bound on a thread that joined it
+    /// (the socket stays in the namespace it was created in). Returns its port and
+    /// what the first connection sent, or None if none came within `wait`.
+    pub fn listen_once(&self, wait: Duration) -> (u16, std::thread::JoinHandle<Option<String>>) {
+        let ns = std::fs::File::open(Path::new("/run/netns").join(&self.netns)).unwrap();
+        let ip = self.ip;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let l = std::net::TcpListener::bind((ip, 0)).unwrap();
+            tx.send(l.local_addr().unwrap().port()).unwrap();
+            l.set_nonblocking(true).unwrap();
+            let deadline = std::time::Instant::now() + wait;
+            while std::time::Instant::now() < deadline {
+                match l.accept() {
+                    Ok((mut s, _)) => {
+                        use std::io::Read;
+                        s.set_nonblocking(false).unwrap();
+                        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                        let mut buf = String::new();
+                        let _ = s.read_to_string(&mut buf);
+                        return Some(buf);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+            None
+        });
+        (rx.recv().unwrap(), t)
+    }
+}
+
+impl Drop for ExtNet {
+    fn drop(&mut self) {
+        // The veth pair goes with the namespace.
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "delete", &self.netns])
+            .status();
+    }
+}
+
+/// A size-limited tmpfs mounted on `dir` for the life of the guard: unmounted on drop,
+/// including when the test panics.
+pub struct Tmpfs {
+    pub dir: PathBuf,
+}
+
+impl Tmpfs {
+    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let st = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size}"),
+                "ramify-test-tmpfs",
+            ])
+            .arg(dir)
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount tmpfs on {}", dir.display());
+        Tmpfs {
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let ok = std::process::Command::new("umount")
+            .arg(&self.dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            // Something still holds a file there: detach it now, freed when released.
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.dir)
+                .status();
         }
     }
 }
