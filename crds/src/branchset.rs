@@ -189,7 +189,8 @@ pub struct CommitSpec {
     /// `Paths`: only files changed under `paths` are copied into the running parent.
     #[serde(default)]
     pub mode: CommitMode,
-    /// Absolute globs (`*`, `**`, `?`, `[...]`) of the files to promote with mode `Paths`.
+    /// Absolute globs of the files to promote with mode `Paths`: `*`, `?` and `[...]`
+    /// match within one path component, `**` across directories.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64), inner(length(min = 1, max = 4096)))]
     #[x_kube(validation = Rule::new("self.all(p, p.startsWith('/') && !p.matches('(^|/)\\\\.\\\\.(/|$)'))").message("spec.commit.paths[] must be absolute globs (starting with '/') without '..'"))]
