@@ -731,7 +731,7 @@ impl Engine {
             let mut argv: Vec<String> = vec![
                 "/bin/sh".into(),
                 "-c".into(),
-                PARENT_SYMLINK_SCRIPT.into(),
+                PARENT_CHECK_SCRIPT.into(),
                 "ramify-check".into(),
             ];
             argv.extend(touched);
@@ -740,12 +740,12 @@ impl Engine {
                 .runsc
                 .exec(&parent.ctx, &argv, &[], None, self.inner.cfg.exec_timeout)
                 .await?;
-            let links = out.stdout_str();
-            if out.code != 0 || !links.trim().is_empty() {
+            let blocked = out.stdout_str();
+            if out.code != 0 || !blocked.trim().is_empty() {
                 return Err(Error::Invalid(format!(
-                    "commit refused: these paths are symlinks in the parent (or could not be checked: {}): {}",
-                    out.stderr_str().trim(),
-                    links.trim().chars().take(1000).collect::<String>()
+                    "commit refused, nothing applied: {} {}",
+                    blocked.trim().chars().take(1000).collect::<String>(),
+                    out.stderr_str().trim()
                 )));
             }
         }
@@ -766,6 +766,7 @@ impl Engine {
                 crate::cmd::MAX_STDOUT
             )));
         }
+        let stage = format!("/.ramify-commit-{}", uuid::Uuid::new_v4().simple());
         if !copy.is_empty() {
             let tarball = winner
                 .dir
@@ -791,12 +792,14 @@ impl Engine {
                 .collect();
             diff::check_commit_tar(&out.stdout, &wanted)?;
             std::fs::write(&tarball, &out.stdout).map_err(|e| Error::io("write", &tarball, e))?;
+            // Stage first: a failure while unpacking (no space, a bad entry) leaves the
+            // parent's files as they were.
             let argv: Vec<String> = vec![
-                "tar".into(),
-                "-xf".into(),
-                "-".into(),
-                "-C".into(),
-                "/".into(),
+                "/bin/sh".into(),
+                "-c".into(),
+                PARENT_STAGE_SCRIPT.into(),
+                "ramify-stage".into(),
+                stage.clone(),
             ];
             let res = self
                 .inner
@@ -812,14 +815,31 @@ impl Engine {
             std::fs::remove_file(&tarball).ok();
             let out = res?;
             if out.code != 0 {
+                let rm: Vec<String> = vec!["rm".into(), "-rf".into(), stage.clone()];
+                self.inner
+                    .runsc
+                    .exec(&parent.ctx, &rm, &[], None, self.inner.cfg.exec_timeout)
+                    .await
+                    .ok();
                 return Err(Error::Sandbox {
                     id: parent.id.clone(),
-                    reason: format!("untar into parent failed: {}", out.stderr_str()),
+                    reason: format!(
+                        "staging the commit in the parent failed, nothing applied: {}",
+                        out.stderr_str()
+                    ),
                 });
             }
         }
-        if !d.deleted.is_empty() {
-            let mut argv: Vec<String> = vec!["rm".into(), "-f".into(), "--".into()];
+        if !copy.is_empty() || !d.deleted.is_empty() {
+            let mut argv: Vec<String> = vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                PARENT_APPLY_SCRIPT.into(),
+                "ramify-apply".into(),
+                stage.clone(),
+            ];
+            argv.extend(copy.iter().cloned());
+            argv.push("--delete".into());
             argv.extend(d.deleted.iter().map(|c| c.path.clone()));
             let out = self
                 .inner
@@ -829,7 +849,10 @@ impl Engine {
             if out.code != 0 {
                 return Err(Error::Sandbox {
                     id: parent.id.clone(),
-                    reason: format!("delete in parent failed: {}", out.stderr_str()),
+                    reason: format!(
+                        "applying the staged commit in the parent failed (a retry rolls it forward): {}",
+                        out.stderr_str()
+                    ),
                 });
             }
         }
@@ -1106,13 +1129,40 @@ impl Engine {
 
 /// Run in the parent before a commit Paths: prints every argument that is, or has an
 /// ancestor that is, a symlink there.
-const PARENT_SYMLINK_SCRIPT: &str = r#"for p in "$@"; do
+/// Prints every reason a commit could not apply cleanly in the parent: a path (or an
+/// ancestor) that is a symlink there, an ancestor that is not a directory, a target that
+/// is a directory. Checked before anything is written, so the apply cannot stop halfway
+/// on them.
+const PARENT_CHECK_SCRIPT: &str = r#"for p in "$@"; do
+  if [ -d "$p" ] && [ ! -L "$p" ]; then echo "is a directory in the parent: $p"; fi
   d="$p"
   while [ -n "$d" ] && [ "$d" != / ]; do
-    if [ -L "$d" ]; then echo "$d"; fi
+    if [ -L "$d" ]; then echo "is a symlink in the parent: $d"
+    elif [ "$d" != "$p" ] && [ -e "$d" ] && [ ! -d "$d" ]; then echo "is not a directory in the parent: $d"; fi
     d="${d%/*}"
   done
 done"#;
+
+/// Unpacks the winner's tarball (stdin) into a fresh staging directory `$1` in the
+/// parent; stale staging directories of an interrupted commit go first.
+const PARENT_STAGE_SCRIPT: &str =
+    r#"rm -rf /.ramify-commit-* && mkdir -m 700 "$1" && tar -xf - -C "$1""#;
+
+/// Moves the staged files (`$1` + path) into place and deletes the paths after
+/// `--delete`, then drops the staging directory. Renames only: a rerun after an
+/// interruption rolls forward to the same result.
+const PARENT_APPLY_SCRIPT: &str = r#"stage="$1"; shift
+del=
+for p in "$@"; do
+  if [ "$p" = --delete ]; then del=1; continue; fi
+  if [ -n "$del" ]; then rm -f "$p" || exit 1; continue; fi
+  if [ -e "$stage$p" ]; then
+    d="${p%/*}"
+    if [ -n "$d" ]; then mkdir -p "$d" || exit 1; fi
+    mv -f "$stage$p" "$p" || exit 1
+  fi
+done
+rm -rf "$stage""#;
 
 /// 32 bytes from the OS CSPRNG (getrandom, through uuid v4) as 64 hex characters.
 fn fresh_seed() -> String {

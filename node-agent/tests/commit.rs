@@ -254,3 +254,67 @@ async fn nested_fork_commits_into_its_parent_branch_not_the_root() {
     h.destroy_clean(root).await;
     h.finish().await;
 }
+
+/// A Paths commit applies all or nothing: when one of its paths cannot be written in
+/// the parent (here the parent turned a directory the winner writes into into a file),
+/// none of the others is, and no staging directory is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paths_commit_that_cannot_apply_fully_applies_nothing() {
+    let h = harness("atomic").await;
+    let mut parent = h
+        .start("parent", "while true; do sleep 1; done", vec![])
+        .await;
+    h.sh(&parent, "mkdir -p /work/x && echo old > /work/a.txt")
+        .await;
+    let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
+    let opts = ForkOptions {
+        name_prefix: "w".into(),
+        track: vec!["/work/**".into()],
+    };
+    let w = h
+        .engine
+        .fork(&snap.meta.id, 1, &opts)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    // Sorted, /work/a.txt comes before /work/x/y: a plain unpack would write it first.
+    h.sh(
+        &w,
+        "echo new > /work/a.txt && echo y > /work/x/y && rm /work/seed.txt",
+    )
+    .await;
+    h.sh(&parent, "rmdir /work/x && echo file > /work/x").await;
+    let err = h
+        .engine
+        .commit_paths(&parent, &w, &["/work/**".into()])
+        .await
+        .expect_err("a commit that cannot apply was accepted");
+    eprintln!("refused: {err}");
+    assert!(err.to_string().contains("nothing applied"), "{err}");
+    assert!(err.to_string().contains("/work/x"), "{err}");
+    let state = h
+        .sh(
+            &parent,
+            "cat /work/a.txt /work/x /work/seed.txt; ls -a / | grep -c ramify-commit || true",
+        )
+        .await;
+    assert_eq!(state, "old\nfile\nseed\n0\n", "the parent changed");
+
+    // Once the parent's obstacle is gone, the same commit applies in full.
+    h.sh(&parent, "rm /work/x").await;
+    h.engine
+        .commit_paths(&parent, &w, &["/work/**".into()])
+        .await
+        .unwrap();
+    let state = h
+        .sh(
+            &parent,
+            "cat /work/a.txt /work/x/y; test -e /work/seed.txt || echo gone; ls -a / | grep -c ramify-commit || true",
+        )
+        .await;
+    assert_eq!(state, "new\ny\ngone\n0\n");
+    h.destroy_clean(w).await;
+    h.destroy_clean(parent).await;
+    h.finish().await;
+}
