@@ -288,6 +288,10 @@ impl Engine {
         let dir = self.inner.cfg.state_dir.join("sandboxes").join(&id);
         std::fs::create_dir_all(dir.join("runsc-root"))
             .map_err(|e| Error::io("create", &dir, e))?;
+        if let Err(e) = mount_control_dir(&dir.join("control")) {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
         let placed = match self
             .inner
             .placement
@@ -299,6 +303,7 @@ impl Engine {
         {
             Ok(p) => p,
             Err(e) => {
+                unmount_control_dir(&dir.join("control"));
                 let _ = std::fs::remove_dir_all(&dir);
                 return Err(e);
             }
@@ -917,6 +922,7 @@ impl Engine {
         if let Err(e) = self.inner.placement.release(&sb.placed).await {
             first.get_or_insert(e);
         }
+        unmount_control_dir(&sb.control_dir());
         if let Err(e) = std::fs::remove_dir_all(&sb.dir)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -1129,6 +1135,36 @@ impl Engine {
 
 /// Run in the parent before a commit Paths: prints every argument that is, or has an
 /// ancestor that is, a symlink there.
+/// The control directory's quota: what a sandbox writes to `/run/ramify` lands on the
+/// host, so it is a tmpfs of its own, sized for the most the agent ever reads
+/// (`MAX_EFFECTS` effect files of `MAX_EFFECT_BYTES`, the verdict, the identity).
+pub const CONTROL_QUOTA_BYTES: u64 =
+    control::MAX_EFFECTS as u64 * control::MAX_EFFECT_BYTES + (1 << 20);
+/// Files and directories the control directory may hold.
+pub const CONTROL_QUOTA_INODES: u64 = 4 * control::MAX_EFFECTS as u64;
+
+/// Mounts the size- and inode-limited tmpfs a sandbox's control directory lives on (a
+/// hostile workload cannot fill the node's disk through `/run/ramify`).
+fn mount_control_dir(dir: &Path) -> Result<()> {
+    use nix::mount::{MsFlags, mount};
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
+    let opts = format!("size={CONTROL_QUOTA_BYTES},nr_inodes={CONTROL_QUOTA_INODES},mode=0755");
+    mount(
+        Some("ramify-control"),
+        dir,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some(opts.as_str()),
+    )
+    .map_err(|e| Error::io("mount tmpfs on", dir, std::io::Error::from(e)))
+}
+
+/// Detaches the control tmpfs (absent after a reboot, or never mounted: fine).
+fn unmount_control_dir(dir: &Path) {
+    use nix::mount::{MntFlags, umount2};
+    let _ = umount2(dir, MntFlags::MNT_DETACH);
+}
+
 /// Prints every reason a commit could not apply cleanly in the parent: a path (or an
 /// ancestor) that is a symlink there, an ancestor that is not a directory, a target that
 /// is a directory. Checked before anything is written, so the apply cannot stop halfway

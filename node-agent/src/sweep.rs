@@ -169,6 +169,16 @@ pub async fn sweep_orphans(prefix: &str, cgroup_parent: &str) -> Vec<String> {
             }
         }
     }
+    // Control-directory tmpfs mounts (field 5 of mountinfo is the mount point).
+    if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") {
+        for point in m.lines().filter_map(|l| l.split(' ').nth(4)) {
+            if ids_in(point, prefix).iter().any(|i| orphan(i, prefix))
+                && nix::mount::umount2(point, nix::mount::MntFlags::MNT_DETACH).is_ok()
+            {
+                removed.push(format!("mount {point}"));
+            }
+        }
+    }
     if !removed.is_empty() {
         info!(count = removed.len(), "swept orphans");
     }

@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use ramify_node_agent::control::{EFFECTS_DIR, MAX_EFFECTS, Rejected, VERDICT_FILE};
+use ramify_node_agent::control::{EFFECTS_DIR, MAX_EFFECTS, Rejected, VERDICT_FILE, Verdict};
 use ramify_node_agent::engine::{ForkOptions, Sandbox};
 
 fn timed_scan(h: &Harness, sb: &Sandbox, what: &str) -> ramify_node_agent::control::ControlScan {
@@ -53,7 +53,7 @@ async fn hostile_control_mount_is_scanned_fast_bounded_and_reported() {
     // A 10 MiB verdict.
     h.sh(
         &sb,
-        "cd /run/ramify && rm -f verdict && head -c 10485760 /dev/zero > verdict",
+        "cd /run/ramify && rm -rf verdict effects && mkdir effects && head -c 10485760 /dev/zero > verdict",
     )
     .await;
     let s = timed_scan(&h, &sb, "10 MiB verdict");
@@ -322,5 +322,62 @@ async fn commit_paths_from_a_winner_whose_tar_floods_stdout_is_cut_off() {
     assert_ne!(out.code, 0, "part of a refused commit reached the parent");
     h.destroy_clean(w).await;
     h.destroy_clean(parent).await;
+    h.finish().await;
+}
+
+/// What a sandbox writes to `/run/ramify` lands on the node: it is a quota'd tmpfs, so a
+/// workload cannot fill the node's disk (or its inode table) through it, and the agent
+/// still reads the control files afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_mount_has_a_quota() {
+    use ramify_node_agent::engine::{CONTROL_QUOTA_BYTES, CONTROL_QUOTA_INODES};
+    let h = harness("ctl-quota").await;
+    let sb = h
+        .start("filler", "while true; do sleep 1; done", vec![])
+        .await;
+    let out = h
+        .engine
+        .exec(
+            &sb,
+            &[
+                "/bin/sh",
+                "-c",
+                "head -c 209715200 /dev/zero > /run/ramify/fill",
+            ],
+        )
+        .await
+        .unwrap();
+    eprintln!(
+        "200 MiB into /run/ramify: exit {} {}",
+        out.code,
+        out.stderr_str().trim()
+    );
+    assert_ne!(out.code, 0, "200 MiB fit in the control mount");
+    let on_host = std::fs::metadata(sb.control_dir().join("fill"))
+        .unwrap()
+        .len();
+    assert!(
+        on_host <= CONTROL_QUOTA_BYTES,
+        "{on_host} bytes on the node"
+    );
+    h.sh(&sb, "rm /run/ramify/fill").await;
+
+    h.sh(
+        &sb,
+        "i=0; while [ $i -lt 6000 ]; do touch /run/ramify/f$i 2>/dev/null || break; i=$((i+1)); done",
+    )
+    .await;
+    let files = std::fs::read_dir(sb.control_dir()).unwrap().count() as u64;
+    eprintln!("files the workload could create: {files}");
+    assert!(files <= CONTROL_QUOTA_INODES, "{files} files");
+
+    // The agent still reads the control mount: a verdict written now is seen.
+    h.sh(
+        &sb,
+        "rm -f /run/ramify/f*; echo commit > /run/ramify/verdict",
+    )
+    .await;
+    assert_eq!(h.engine.control(&sb).verdict, Some(Verdict::Commit));
+    h.destroy_clean(sb).await;
     h.finish().await;
 }
