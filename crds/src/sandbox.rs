@@ -19,6 +19,7 @@ use crate::common::{Condition, EnvVar};
     status = "SandboxStatus",
     shortname = "sbx",
     selectable = ".status.nodeName",
+    selectable = ".spec.nodeName",
     category = "ramify",
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,

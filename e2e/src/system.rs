@@ -90,7 +90,10 @@ impl System {
         let kubeconfig = cp.kubeconfig.to_string_lossy().into_owned();
         let env = vec![
             ("KUBECONFIG".to_string(), kubeconfig),
-            ("RUST_LOG".to_string(), "info".to_string()),
+            (
+                "RUST_LOG".to_string(),
+                std::env::var("RAMIFY_E2E_LOG").unwrap_or_else(|_| "info".into()),
+            ),
         ];
         let node = format!("e2e-{suffix}");
         let mut operator = Component::new(

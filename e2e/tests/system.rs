@@ -576,6 +576,11 @@ async fn webhook_receiver() -> (
                             .map(|v| v.trim().to_string())
                     })
                     .unwrap_or_default();
+                // A connection that closed before a whole request is not a delivery.
+                if head.is_empty() {
+                    eprintln!("webhook: a connection closed without a request");
+                    continue;
+                }
                 let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
                 log.lock().unwrap().push((key, json));
                 let _ = sock

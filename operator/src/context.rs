@@ -12,9 +12,6 @@ use ramify_crds::{Sandbox, Snapshot};
 
 use crate::metrics::Metrics;
 
-/// Watch events a slow controller may fall behind by before the shared watch waits.
-const SUBSCRIBER_BUFFER: usize = 1024;
-
 /// The operator's informer cache: one watch per kind, shared by every controller that
 /// triggers on it and read by the reconcilers in place of API reads. Reads may lag the
 /// API server by a watch event; every decision they feed is written with optimistic
@@ -23,26 +20,38 @@ const SUBSCRIBER_BUFFER: usize = 1024;
 pub struct Cache {
     pub sandboxes: Store<DeserializeGuard<Sandbox>>,
     pub snapshots: Store<DeserializeGuard<Snapshot>>,
+    /// Set once each store holds its first full list. (Our own signal: a store's
+    /// `wait_until_ready` wakes only one of several concurrent waiters.)
+    synced: [tokio::sync::watch::Receiver<bool>; 2],
 }
 
 /// The write side of [`Cache`], driven by the watches in `run_controllers`.
 pub struct CacheWriters {
-    pub sandboxes: Writer<DeserializeGuard<Sandbox>>,
-    pub snapshots: Writer<DeserializeGuard<Snapshot>>,
+    pub sandboxes: (
+        Writer<DeserializeGuard<Sandbox>>,
+        tokio::sync::watch::Sender<bool>,
+    ),
+    pub snapshots: (
+        Writer<DeserializeGuard<Snapshot>>,
+        tokio::sync::watch::Sender<bool>,
+    ),
 }
 
 impl Cache {
     fn new() -> (Cache, CacheWriters) {
-        let (sandboxes, sw) = reflector::store_shared(SUBSCRIBER_BUFFER);
-        let (snapshots, nw) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (sandboxes, sw) = reflector::store();
+        let (snapshots, nw) = reflector::store();
+        let (sandboxes_synced, sr) = tokio::sync::watch::channel(false);
+        let (snapshots_synced, nr) = tokio::sync::watch::channel(false);
         (
             Cache {
                 sandboxes,
                 snapshots,
+                synced: [sr, nr],
             },
             CacheWriters {
-                sandboxes: sw,
-                snapshots: nw,
+                sandboxes: (sw, sandboxes_synced),
+                snapshots: (nw, snapshots_synced),
             },
         )
     }
@@ -50,14 +59,13 @@ impl Cache {
     /// Waits for the first full list of both kinds (reconcilers never read a cache
     /// that has not synced: an empty one would look like everything was deleted).
     pub async fn synced(&self) -> crate::error::Result<()> {
-        self.sandboxes
-            .wait_until_ready()
-            .await
-            .map_err(|e| crate::error::Error::Cache(e.to_string()))?;
-        self.snapshots
-            .wait_until_ready()
-            .await
-            .map_err(|e| crate::error::Error::Cache(e.to_string()))
+        for rx in &self.synced {
+            rx.clone()
+                .wait_for(|synced| *synced)
+                .await
+                .map_err(|e| crate::error::Error::Cache(e.to_string()))?;
+        }
+        Ok(())
     }
 
     pub fn sandbox(&self, ns: &str, name: &str) -> Option<Sandbox> {

@@ -116,8 +116,25 @@ fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Cont
     }
 }
 
-/// Drives one shared watch into its cache (and its subscribers), retrying with backoff.
-async fn shared_watch<K>(api: Api<K>, cfg: watcher::Config, writer: reflector::store::Writer<K>)
+/// One watch of `K`: kept in `writer`'s cache (the reconcilers' reads) and fanned out
+/// to `N` controllers. Every touched object goes to each (deletions included, so an
+/// owner hears of a child's deletion), through unbounded channels: a busy controller
+/// lags, it never misses a trigger.
+#[allow(clippy::type_complexity)]
+fn fan_out<K, const N: usize>(
+    api: Api<K>,
+    cfg: watcher::Config,
+    (writer, synced): (
+        reflector::store::Writer<K>,
+        tokio::sync::watch::Sender<bool>,
+    ),
+) -> (
+    impl std::future::Future<Output = ()>,
+    [futures::stream::Map<
+        futures::channel::mpsc::UnboundedReceiver<K>,
+        fn(K) -> Result<K, watcher::Error>,
+    >; N],
+)
 where
     K: Resource<DynamicType = ()>
         + Clone
@@ -127,17 +144,37 @@ where
         + Sync
         + 'static,
 {
-    let kind = K::kind(&());
-    watcher(api, cfg)
+    let mut senders = Vec::with_capacity(N);
+    let receivers = std::array::from_fn(|_| {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        senders.push(tx);
+        rx.map(Ok as fn(K) -> Result<K, watcher::Error>)
+    });
+    let kind = K::kind(&()).to_string();
+    let drive = watcher(api, cfg)
         .default_backoff()
-        .reflect_shared(writer)
-        .for_each(|ev| {
-            if let Err(e) = ev {
-                warn!(error = %e, %kind, "watch failed; retrying");
+        .reflect(writer)
+        .for_each(move |ev| {
+            match ev {
+                Ok(
+                    watcher::Event::Apply(o)
+                    | watcher::Event::InitApply(o)
+                    | watcher::Event::Delete(o),
+                ) => {
+                    for tx in &senders {
+                        let _ = tx.unbounded_send(o.clone());
+                    }
+                }
+                // The reflector has swapped the full list into the store by now.
+                Ok(watcher::Event::InitDone) => {
+                    synced.send_replace(true);
+                }
+                Ok(_) => {}
+                Err(e) => warn!(error = %e, %kind, "watch failed; retrying"),
             }
             futures::future::ready(())
-        })
-        .await;
+        });
+    (drive, receivers)
 }
 
 /// The cached BranchSets of `ns` for which `pred` holds (watch mappers).
@@ -164,35 +201,18 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         tracing::error!("run_controllers called twice on one context: its cache is taken");
         return;
     };
-    let (Some(sbx_for_sandboxes), Some(sbx_for_snapshots), Some(sbx_owned), Some(sbx_parents)) = (
-        writers.sandboxes.subscribe(),
-        writers.sandboxes.subscribe(),
-        writers.sandboxes.subscribe(),
-        writers.sandboxes.subscribe(),
-    ) else {
-        tracing::error!("the sandbox cache is not shared");
-        return;
-    };
-    let (Some(snap_for_snapshots), Some(snap_owned), Some(snap_sources)) = (
-        writers.snapshots.subscribe(),
-        writers.snapshots.subscribe(),
-        writers.snapshots.subscribe(),
-    ) else {
-        tracing::error!("the snapshot cache is not shared");
-        return;
-    };
-    let sandbox_watch = shared_watch(
+    let (sandbox_watch, [sbx_for_sandboxes, sbx_for_snapshots, sbx_owned, sbx_parents]) = fan_out(
         Api::<DeserializeGuard<Sandbox>>::all(client.clone()),
         cfg.clone(),
         writers.sandboxes,
     );
-    let snapshot_watch = shared_watch(
+    let (snapshot_watch, [snap_for_snapshots, snap_owned, snap_sources]) = fan_out(
         Api::<DeserializeGuard<Snapshot>>::all(client.clone()),
         cfg.clone(),
         writers.snapshots,
     );
 
-    let sandboxes = Controller::for_shared_stream(sbx_for_sandboxes, ctx.cache.sandboxes.clone())
+    let sandboxes = Controller::for_stream(sbx_for_sandboxes, ctx.cache.sandboxes.clone())
         .shutdown_on_signal()
         .run(
             sandbox::reconcile,
@@ -202,9 +222,9 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         .for_each(|_| futures::future::ready(()));
 
     let snap_store = ctx.cache.snapshots.clone();
-    let snapshots = Controller::for_shared_stream(snap_for_snapshots, ctx.cache.snapshots.clone())
+    let snapshots = Controller::for_stream(snap_for_snapshots, ctx.cache.snapshots.clone())
         // A source sandbox getting its node lets its pending snapshots bind.
-        .watches_shared_stream(sbx_for_snapshots, move |sbx| {
+        .watches_stream(sbx_for_snapshots, move |sbx| {
             let ns = sbx.namespace();
             let name = sbx.name_any();
             snap_store
@@ -231,10 +251,10 @@ pub async fn run_controllers(ctx: Arc<Context>) {
     let store_for_parents = bs_ctl.store();
     let store_for_snaps = bs_ctl.store();
     let branchsets = bs_ctl
-        .owns_shared_stream(sbx_owned)
-        .owns_shared_stream(snap_owned)
+        .owns_stream(sbx_owned)
+        .owns_stream(snap_owned)
         // The parent sandbox (commits recorded on it; nested sets abort with it).
-        .watches_shared_stream(sbx_parents, move |sbx| {
+        .watches_stream(sbx_parents, move |sbx| {
             let name = sbx.name_any();
             branchsets_where(&store_for_parents, sbx.namespace(), |b| {
                 b.spec.source.sandbox.as_deref() == Some(name.as_str())
@@ -242,7 +262,7 @@ pub async fn run_controllers(ctx: Arc<Context>) {
             })
         })
         // A user-provided source snapshot becoming Ready.
-        .watches_shared_stream(snap_sources, move |snap| {
+        .watches_stream(snap_sources, move |snap| {
             let name = snap.name_any();
             branchsets_where(&store_for_snaps, snap.namespace(), |b| {
                 b.spec.source.snapshot.as_deref() == Some(name.as_str())

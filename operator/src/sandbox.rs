@@ -225,7 +225,12 @@ async fn release_if_unbound_or_lost(
     if !sbx.finalizers().iter().any(|f| f == FINALIZER_NODE_CLEANUP) {
         return Ok(Action::await_change());
     }
-    let node = sbx.status.as_ref().and_then(|s| s.node_name.clone());
+    // A sandbox pinned by its spec may be running on that node before it is bound.
+    let node = sbx
+        .status
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .or_else(|| sbx.spec.node_name.clone());
     let release = match node {
         None => true,
         Some(node) => crate::node_lost_for(ctx, &node).await? > ctx.settings.node_lost_grace,

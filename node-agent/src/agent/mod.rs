@@ -79,6 +79,9 @@ pub struct Agent {
     /// The controllers' watch caches (set by `run`), read before the API server on
     /// the fork's critical path.
     cache: std::sync::OnceLock<AgentCache>,
+    /// One reconcile at a time per Sandbox uid: two watches (bound here, and pinned
+    /// here by spec) can deliver the same sandbox.
+    in_flight: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
 }
 
 /// What the agent's watches hold: its node's Snapshots and every BranchSet.
@@ -251,6 +254,7 @@ impl Agent {
             runners: Mutex::new(HashSet::new()),
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),
+            in_flight: Mutex::new(HashMap::new()),
         }
     }
 
@@ -449,10 +453,40 @@ impl Agent {
     #[instrument(skip_all, fields(sandbox = %obj.name_any()))]
     async fn reconcile_sandbox(self: &Arc<Self>, obj: &SandboxObj) -> Result<Action> {
         let uid = obj.uid().unwrap_or_default();
-        if obj.status.as_ref().and_then(|s| s.node_name.as_deref()) != Some(self.cfg.node.as_str())
-        {
+        if !self.is_mine(obj) {
             return Ok(Action::await_change());
         }
+        let slot = self
+            .in_flight
+            .lock()
+            .map_err(|_| Error::Join("in-flight lock poisoned".into()))?
+            .entry(uid.clone())
+            .or_default()
+            .clone();
+        let _serial = slot.lock().await;
+        let res = self.reconcile_mine(obj, &uid).await;
+        if obj.metadata.deletion_timestamp.is_some()
+            && res.is_ok()
+            && let Ok(mut m) = self.in_flight.lock()
+        {
+            m.remove(&uid);
+        }
+        res
+    }
+
+    /// Bound here (`status.nodeName`), or pinned here by its spec and not yet bound: the
+    /// operator binds a sandbox to its `spec.nodeName`, so a branch (whose spec names
+    /// its snapshot's node) can start before the binding write lands.
+    fn is_mine(&self, obj: &SandboxObj) -> bool {
+        let me = Some(self.cfg.node.as_str());
+        match obj.status.as_ref().and_then(|s| s.node_name.as_deref()) {
+            Some(bound) => Some(bound) == me,
+            None => obj.spec.node_name.as_deref() == me,
+        }
+    }
+
+    async fn reconcile_mine(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
+        let uid = uid.to_string();
         if obj.metadata.deletion_timestamp.is_some() {
             match self.take_handle(&uid) {
                 Some(h) => {
@@ -1552,6 +1586,17 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     .shutdown_on_signal()
     .run(on_sandbox, error_policy("sandbox"), agent.clone())
     .for_each(|_| futures::future::ready(()));
+    // Sandboxes pinned to this node by their spec (every branch: its snapshot's node)
+    // are seen at creation, a binding write earlier than through `status.nodeName`.
+    let pinned = Controller::new(
+        Api::<DeserializeGuard<SandboxObj>>::all(client.clone()),
+        watcher::Config::default()
+            .fields(&format!("spec.nodeName={}", agent.cfg.node))
+            .any_semantic(),
+    )
+    .shutdown_on_signal()
+    .run(on_sandbox, error_policy("sandbox"), agent.clone())
+    .for_each(|_| futures::future::ready(()));
     let snap_ctl = Controller::new(
         Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
         mine,
@@ -1573,7 +1618,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         .run(on_branchset, error_policy("commit"), agent.clone())
         .for_each(|_| futures::future::ready(()));
     info!(node = %agent.cfg.node, "node agent controllers running");
-    tokio::join!(sandboxes, snapshots, commits);
+    tokio::join!(sandboxes, pinned, snapshots, commits);
     Ok(())
 }
 
