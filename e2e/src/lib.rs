@@ -255,12 +255,14 @@ pub fn binary(name: &str) -> Result<PathBuf, HarnessError> {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join("target"));
-    let path = target.join("debug").join(name);
+    // RAMIFY_PROFILE=release runs the optimised binaries (the benchmark's figures).
+    let profile = std::env::var("RAMIFY_PROFILE").unwrap_or_else(|_| "debug".into());
+    let path = target.join(profile).join(name);
     if path.is_file() {
         Ok(path)
     } else {
         Err(HarnessError::ControlPlane(format!(
-            "{} is missing: run `cargo build --bins` first (hack/test.sh does)",
+            "{} is missing: run `cargo build --bins` (or `--release` with RAMIFY_PROFILE=release) first",
             path.display()
         )))
     }

@@ -231,7 +231,18 @@ impl Standalone {
             .run()
             .await?;
         placed.netns = Some(ns.clone());
-        let out = self.cni("ADD", &req.id).run().await?;
+        let add = self.cni("ADD", &req.id);
+        let out = add.output().await?;
+        if out.code != 0 {
+            // A CNI plugin reports its error as JSON on stdout, not stderr.
+            return Err(Error::Command {
+                command: add.display(),
+                status: format!("exit code {}", out.code),
+                stderr: format!("{} {}", out.stdout_str().trim(), out.stderr_str().trim())
+                    .trim()
+                    .to_string(),
+            });
+        }
         let (addr, veth) = parse_cni_result(&out.stdout, &self.cfg.bridge)?;
         placed.address = Some(addr.clone());
         placed.host_veth = veth.clone();

@@ -2,12 +2,15 @@
 //! agent and runsc), against the baseline a fork replaces: creating fresh sandboxes and
 //! replaying the workspace's set-up.
 //!
-//!   cargo build --bins && sudo target/debug/ramify-e2e-bench [--runs 3]
+//!   cargo build --bins && cargo build --release --bins
+//!   RAMIFY_PROFILE=release target/debug/ramify-e2e-bench [--runs 3]
 //!
+//! (RAMIFY_PROFILE picks the operator's and node agent's build; default debug.)
 //! Prints, per scenario, the time from `kubectl apply` to every branch running:
 //! a 4-branch BranchSet from a live sandbox (snapshot + cold restores), from an existing
-//! snapshot (cold restores), from a snapshot with a warm pool of 4 (claims), and the
-//! time from the winner's verdict to its siblings being gone.
+//! snapshot (cold restores), from a snapshot with a warm pool of 4 (claims; also
+//! created through the API, as an agent framework would), and the time from the
+//! winner's verdict to its siblings being gone; then where the warm fork's time goes.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::{Duration, Instant};
@@ -17,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
-use ramify_crds::{LABEL_BRANCHSET, Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
+use ramify_crds::{BranchSet, LABEL_BRANCHSET, Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
 use ramify_e2e::system::System;
 
 /// The workspace's set-up: 32 MiB of data written and hashed, about a second of work on
@@ -126,6 +129,9 @@ fn watch_timeline(sandboxes: Api<Sandbox>, watched: Arc<Watched>) {
                         if st.phase == SandboxPhase::Running {
                             tl.record(&name, "running");
                         }
+                        if st.branch.as_ref().is_some_and(|b| b.verdict.is_some()) {
+                            tl.record(&name, "verdict");
+                        }
                     }
                 }
                 Ok(watcher::Event::Delete(s)) => {
@@ -212,8 +218,9 @@ async fn main() {
     .await;
     wait_ready("workspace".into()).await;
 
-    let (mut live, mut cold, mut warm, mut invalidate, mut warm_flags) =
+    let (mut live, mut cold, mut warm, mut warm_api, mut warm_flags) =
         (vec![], vec![], vec![], vec![], vec![]);
+    let (mut invalidate, mut invalidate_api) = (vec![], vec![]);
     for r in 0..runs {
         // From the live sandbox: snapshot + 4 cold restores.
         let name = format!("live-{r}");
@@ -242,23 +249,66 @@ async fn main() {
             )
             .await
             .unwrap();
-        let t_pool = Instant::now();
-        loop {
-            let s = snapshots
-                .get(&snap)
-                .await
-                .unwrap()
-                .status
-                .unwrap_or_default();
-            if s.phase == SnapshotPhase::Ready && s.warm.as_ref().is_some_and(|w| w.ready >= 4) {
-                break;
+        // The pool's reported count trails claims by a moment: after a warm run, first
+        // see it drop, then wait for the refill.
+        let pool_full = |drained: bool| {
+            let (snapshots, snap) = (snapshots.clone(), snap.clone());
+            async move {
+                let t_drop = Instant::now();
+                while drained && t_drop.elapsed() < Duration::from_secs(10) {
+                    let s = snapshots
+                        .get(&snap)
+                        .await
+                        .unwrap()
+                        .status
+                        .unwrap_or_default();
+                    if s.warm.as_ref().is_none_or(|w| w.ready < 4) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let t_pool = Instant::now();
+                loop {
+                    let s = snapshots
+                        .get(&snap)
+                        .await
+                        .unwrap()
+                        .status
+                        .unwrap_or_default();
+                    if s.phase == SnapshotPhase::Ready
+                        && s.warm.as_ref().is_some_and(|w| w.ready >= 4)
+                    {
+                        break;
+                    }
+                    assert!(
+                        t_pool.elapsed() < Duration::from_secs(120),
+                        "warm pool never filled"
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
             }
-            assert!(
-                t_pool.elapsed() < Duration::from_secs(120),
-                "warm pool never filled"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        };
+        let served_warm = |bs: String| {
+            let sandboxes = sandboxes.clone();
+            async move {
+                sandboxes
+                    .list(&ListParams::default().labels(&format!("{LABEL_BRANCHSET}={bs}")))
+                    .await
+                    .unwrap()
+                    .items
+                    .iter()
+                    .filter(|s| {
+                        s.status
+                            .as_ref()
+                            .and_then(|st| st.restored_from.as_ref())
+                            .is_some_and(|rf| rf.warm)
+                    })
+                    .count()
+            }
+        };
+
+        // With kubectl, as a person or a GitOps pipeline would.
+        pool_full(false).await;
         let wname = format!("warm-{r}");
         let t0 = Instant::now();
         sys.apply(&branchset(&wname, &format!("{{snapshot: {snap}}}"), 4));
@@ -278,20 +328,24 @@ async fn main() {
                 tl.last(&p, "running", t0),
             ]);
         }
-        let n_warm = sandboxes
-            .list(&ListParams::default().labels(&format!("{LABEL_BRANCHSET}={wname}")))
+        let n = served_warm(wname.clone()).await;
+        warm_flags.push(n);
+
+        // Through the API with a client library, as an agent framework would (no
+        // process start, discovery or OpenAPI download on the way).
+        pool_full(n > 0).await;
+        let aname = format!("api-{r}");
+        let obj: BranchSet =
+            serde_yaml::from_str(&branchset(&aname, &format!("{{snapshot: {snap}}}"), 4)).unwrap();
+        let t0 = Instant::now();
+        branchsets
+            .create(&kube::api::PostParams::default(), &obj)
             .await
-            .unwrap()
-            .items
-            .iter()
-            .filter(|s| {
-                s.status
-                    .as_ref()
-                    .and_then(|st| st.restored_from.as_ref())
-                    .is_some_and(|rf| rf.warm)
-            })
-            .count();
-        warm_flags.push(n_warm);
+            .unwrap();
+        warm_api.push(ms(watched
+            .until(&format!("{aname}-"), "running", 4, t0)
+            .await));
+        warm_flags.push(served_warm(aname.clone()).await);
 
         // First verdict to siblings gone: branch b0 of the live set commits.
         let t0 = Instant::now();
@@ -309,7 +363,9 @@ async fn main() {
             );
         }
         invalidate.push(ms(gone));
-        for n in [&cname, &wname] {
+        let reported = watched.until(&format!("{name}-b0"), "verdict", 1, t0).await;
+        invalidate_api.push(ms(gone.saturating_sub(reported)));
+        for n in [&cname, &wname, &aname] {
             let _ = branchsets.delete(n, &Default::default()).await;
         }
     }
@@ -343,10 +399,18 @@ async fn main() {
         &warm,
     );
     row(
-        "verdict written in the winner -> 3 siblings deleted",
+        "  the same, created through the API (client library)",
+        &warm_api,
+    );
+    row(
+        "verdict written in the winner (runsc exec) -> 3 siblings deleted",
         &invalidate,
     );
-    println!("branches served warm in the warm runs: {warm_flags:?} of 4");
+    row(
+        "  from the verdict recorded in the API -> 3 siblings deleted",
+        &invalidate_api,
+    );
+    println!("branches served warm in the warm runs: {warm_flags:?} of 4 each");
     println!(
         "\nwhere the warm fork's time goes (median ms after apply started, as a watch saw it)"
     );

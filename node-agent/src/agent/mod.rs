@@ -82,6 +82,9 @@ pub struct Agent {
     /// One reconcile at a time per Sandbox uid: two watches (bound here, and pinned
     /// here by spec) can deliver the same sandbox.
     in_flight: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
+    /// Sandboxes this process has reported Running: an older copy of the object (the
+    /// other watch may deliver one) must not make it report again, with less.
+    reported: Mutex<HashSet<String>>,
 }
 
 /// What the agent's watches hold: its node's Snapshots and every BranchSet.
@@ -255,6 +258,7 @@ impl Agent {
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),
             in_flight: Mutex::new(HashMap::new()),
+            reported: Mutex::new(HashSet::new()),
         }
     }
 
@@ -465,11 +469,13 @@ impl Agent {
             .clone();
         let _serial = slot.lock().await;
         let res = self.reconcile_mine(obj, &uid).await;
-        if obj.metadata.deletion_timestamp.is_some()
-            && res.is_ok()
-            && let Ok(mut m) = self.in_flight.lock()
-        {
-            m.remove(&uid);
+        if obj.metadata.deletion_timestamp.is_some() && res.is_ok() {
+            if let Ok(mut m) = self.in_flight.lock() {
+                m.remove(&uid);
+            }
+            if let Ok(mut r) = self.reported.lock() {
+                r.remove(&uid);
+            }
         }
         res
     }
@@ -592,6 +598,9 @@ impl Agent {
             extra,
         )
         .await?;
+        if let Ok(mut r) = self.reported.lock() {
+            r.insert(uid.to_string());
+        }
         self.insert_handle(uid, sb);
         if let Some(branch) = obj
             .spec
@@ -804,7 +813,15 @@ impl Agent {
             .await?;
             return Ok(Action::await_change());
         }
-        if running && status.phase != SandboxPhase::Running && status.phase != SandboxPhase::Paused
+        let reported = self
+            .reported
+            .lock()
+            .map(|r| r.contains(uid))
+            .unwrap_or(false);
+        if running
+            && !reported
+            && status.phase != SandboxPhase::Running
+            && status.phase != SandboxPhase::Paused
         {
             // Re-adopted after a restart, or a status write was lost.
             self.write_sandbox_status(
@@ -1286,8 +1303,10 @@ impl Agent {
             )
             .await?;
         }
+        // Claims drain the pool between reconciles: look again soon (a local check; the
+        // status is written only when the count changed), so `warm.ready` stays true.
         Ok(if want > 0 {
-            Action::requeue(Duration::from_millis(if ready < want { 250 } else { 2000 }))
+            Action::requeue(Duration::from_millis(250))
         } else {
             Action::await_change()
         })
