@@ -85,6 +85,8 @@ pub struct Agent {
     /// Sandboxes this process has reported Running: an older copy of the object (the
     /// other watch may deliver one) must not make it report again, with less.
     reported: Mutex<HashSet<String>>,
+    /// What a sandbox's Running report carries (its provenance), until it lands.
+    unreported: Mutex<HashMap<String, serde_json::Value>>,
 }
 
 /// What the agent's watches hold: its node's Snapshots and every BranchSet.
@@ -259,6 +261,16 @@ impl Agent {
             cache: std::sync::OnceLock::new(),
             in_flight: Mutex::new(HashMap::new()),
             reported: Mutex::new(HashSet::new()),
+            unreported: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn mark_reported(&self, uid: &str) {
+        if let Ok(mut u) = self.unreported.lock() {
+            u.remove(uid);
+        }
+        if let Ok(mut r) = self.reported.lock() {
+            r.insert(uid.to_string());
         }
     }
 
@@ -476,6 +488,9 @@ impl Agent {
             if let Ok(mut r) = self.reported.lock() {
                 r.remove(&uid);
             }
+            if let Ok(mut u) = self.unreported.lock() {
+                u.remove(&uid);
+            }
         }
         res
     }
@@ -590,18 +605,25 @@ impl Agent {
         let mut extra = extra;
         extra["startedAt"] = json!(now());
         let fork_millis = millis(t0.elapsed());
-        self.write_sandbox_status(
-            obj,
-            SandboxPhase::Running,
-            Some(&sb),
-            (true, "Running", format!("running as {}", sb.id)),
-            extra,
-        )
-        .await?;
-        if let Ok(mut r) = self.reported.lock() {
-            r.insert(uid.to_string());
+        // Held from here on: if the report below fails (an API-server outage), the
+        // retry finds the sandbox and reports it; it never starts a second one.
+        let running_as = format!("running as {}", sb.id);
+        let h = self.insert_handle(uid, sb);
+        if let Ok(mut u) = self.unreported.lock() {
+            u.insert(uid.to_string(), extra.clone());
         }
-        self.insert_handle(uid, sb);
+        {
+            let g = h.lock().await;
+            self.write_sandbox_status(
+                obj,
+                SandboxPhase::Running,
+                g.as_ref(),
+                (true, "Running", running_as),
+                extra,
+            )
+            .await?;
+        }
+        self.mark_reported(uid);
         if let Some(branch) = obj
             .spec
             .restore_from
@@ -823,15 +845,22 @@ impl Agent {
             && status.phase != SandboxPhase::Running
             && status.phase != SandboxPhase::Paused
         {
-            // Re-adopted after a restart, or a status write was lost.
+            // Re-adopted after a restart, or its first report did not land.
+            let extra = self
+                .unreported
+                .lock()
+                .ok()
+                .and_then(|u| u.get(uid).cloned())
+                .unwrap_or_else(|| json!({}));
             self.write_sandbox_status(
                 obj,
                 SandboxPhase::Running,
                 Some(sb),
                 (true, "Running", format!("running as {}", sb.id)),
-                json!({}),
+                extra,
             )
             .await?;
+            self.mark_reported(uid);
         }
         drop(guard);
         if let Some(branch) = obj
