@@ -43,7 +43,7 @@ results="$(mktemp)"
 # The fault matrix runs on its own below, with its table printed.
 cargo test --workspace --locked -- --include-ignored --skip every_component_killed_at_every_step 2>&1 | tee -a "$results"
 
-step "fault matrix: node agent and operator killed at every step"
+step "fault matrix: node agent, operator and API server killed at every step"
 cargo test -p ramify-e2e --locked --test faults -- --nocapture 2>&1 | grep -v '^fault: ' | tee -a "$results"
 
 step "node agent again on the current runsc ($("$current_runsc" --version | head -1))"
