@@ -779,16 +779,8 @@ impl Engine {
             let mut argv: Vec<String> = vec!["tar".into(), "-cf".into(), "-".into(), "--".into()];
             argv.extend(copy.iter().cloned());
             let out = self
-                .inner
-                .runsc
-                .exec(&winner.ctx, &argv, &[], None, self.inner.cfg.exec_timeout)
+                .exec_or_fail(winner, &argv, None, "tar of changed files failed")
                 .await?;
-            if out.code != 0 {
-                return Err(Error::Sandbox {
-                    id: winner.id.clone(),
-                    reason: format!("tar of changed files failed: {}", out.stderr_str()),
-                });
-            }
             // The winner's tar is the workload's: check what it produced, entry by
             // entry, against what was asked for, before the parent unpacks it.
             let wanted: Manifest = copy
@@ -807,33 +799,15 @@ impl Engine {
                 stage.clone(),
             ];
             let res = self
-                .inner
-                .runsc
-                .exec(
-                    &parent.ctx,
+                .exec_or_fail(
+                    parent,
                     &argv,
-                    &[],
                     Some(&tarball),
-                    self.inner.cfg.exec_timeout,
+                    "staging the commit in the parent failed, nothing applied",
                 )
                 .await;
             std::fs::remove_file(&tarball).ok();
-            let out = res?;
-            if out.code != 0 {
-                let rm: Vec<String> = vec!["rm".into(), "-rf".into(), stage.clone()];
-                self.inner
-                    .runsc
-                    .exec(&parent.ctx, &rm, &[], None, self.inner.cfg.exec_timeout)
-                    .await
-                    .ok();
-                return Err(Error::Sandbox {
-                    id: parent.id.clone(),
-                    reason: format!(
-                        "staging the commit in the parent failed, nothing applied: {}",
-                        out.stderr_str()
-                    ),
-                });
-            }
+            res?;
         }
         if !copy.is_empty() || !d.deleted.is_empty() {
             let mut argv: Vec<String> = vec![
@@ -846,20 +820,13 @@ impl Engine {
             argv.extend(copy.iter().cloned());
             argv.push("--delete".into());
             argv.extend(d.deleted.iter().map(|c| c.path.clone()));
-            let out = self
-                .inner
-                .runsc
-                .exec(&parent.ctx, &argv, &[], None, self.inner.cfg.exec_timeout)
-                .await?;
-            if out.code != 0 {
-                return Err(Error::Sandbox {
-                    id: parent.id.clone(),
-                    reason: format!(
-                        "applying the staged commit in the parent failed (a retry rolls it forward): {}",
-                        out.stderr_str()
-                    ),
-                });
-            }
+            self.exec_or_fail(
+                parent,
+                &argv,
+                None,
+                "applying the staged commit in the parent failed (a retry rolls it forward)",
+            )
+            .await?;
         }
         let bytes = d.bytes();
         info!(
@@ -874,6 +841,29 @@ impl Engine {
             bytes,
             skipped,
         })
+    }
+
+    /// Runs a commit step in `sb` (with the exec timeout); a non-zero exit is an error
+    /// that says `what` and carries the step's stderr.
+    async fn exec_or_fail(
+        &self,
+        sb: &Sandbox,
+        argv: &[String],
+        stdin: Option<&Path>,
+        what: &str,
+    ) -> Result<Output> {
+        let out = self
+            .inner
+            .runsc
+            .exec(&sb.ctx, argv, &[], stdin, self.inner.cfg.exec_timeout)
+            .await?;
+        if out.code != 0 {
+            return Err(Error::Sandbox {
+                id: sb.id.clone(),
+                reason: format!("{what}: {}", out.stderr_str()),
+            });
+        }
+        Ok(out)
     }
 
     /// Commit Full: the winner's live sandbox becomes the parent. The parent handle now
@@ -1180,9 +1170,9 @@ const PARENT_CHECK_SCRIPT: &str = r#"for p in "$@"; do
 done"#;
 
 /// Unpacks the winner's tarball (stdin) into a fresh staging directory `$1` in the
-/// parent; stale staging directories of an interrupted commit go first.
-const PARENT_STAGE_SCRIPT: &str =
-    r#"rm -rf /.ramify-commit-* && mkdir -m 700 "$1" && tar -xf - -C "$1""#;
+/// parent; stale staging directories of an interrupted commit go first, and a failed
+/// unpack removes its own.
+const PARENT_STAGE_SCRIPT: &str = r#"rm -rf /.ramify-commit-* && mkdir -m 700 "$1" && { tar -xf - -C "$1" || { rc=$?; rm -rf "$1"; exit $rc; }; }"#;
 
 /// Moves the staged files (`$1` + path) into place and deletes the paths after
 /// `--delete`, then drops the staging directory. Renames only: a rerun after an
