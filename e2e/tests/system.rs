@@ -19,6 +19,11 @@ use ramify_e2e::system::{System, node_leftovers};
 /// Tests run one at a time (an async lock: each test has its own runtime).
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The workspace rewrites its counter with `>`: a read can land between the truncate and the
+/// write, so read until it is not empty.
+const READ_COUNTER: &str =
+    "while :; do c=$(cat /work/counter); [ -n \"$c\" ] && break; done; echo $c";
+
 fn try_fixes(extra: &str) -> String {
     format!(
         r#"apiVersion: ramify.dev/v1alpha1
@@ -56,7 +61,7 @@ async fn three_branches_one_passes_and_its_live_state_becomes_the_parent() {
     let sys = System::start("fork").await;
     sys.running_workspace().await;
     let before = sys
-        .exec("workspace", "cat /work/counter")
+        .exec("workspace", READ_COUNTER)
         .1
         .parse::<u64>()
         .unwrap();
@@ -77,7 +82,7 @@ async fn three_branches_one_passes_and_its_live_state_becomes_the_parent() {
     // The parent holds the winner's file, and the winner's process keeps counting in it.
     assert_eq!(sys.exec("workspace", "cat /work/app.conf").1, "mode=fast");
     let after = sys
-        .exec("workspace", "cat /work/counter")
+        .exec("workspace", READ_COUNTER)
         .1
         .parse::<u64>()
         .unwrap();

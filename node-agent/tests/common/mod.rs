@@ -218,11 +218,9 @@ impl Harness {
     }
 
     pub async fn counter(&self, sb: &Sandbox) -> u64 {
-        self.sh(sb, "cat /tmp/counter")
-            .await
-            .trim()
-            .parse()
-            .unwrap()
+        // The workload rewrites the file with `>`: a read can land between the truncate and
+        // the write, so read until it is not empty.
+        self.sh(sb, READ_COUNTER).await.trim().parse().unwrap()
     }
 
     /// Destroy and assert nothing is left on the host.
@@ -243,6 +241,9 @@ impl Harness {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+const READ_COUNTER: &str =
+    "while :; do c=$(cat /tmp/counter); [ -n \"$c\" ] && break; done; echo $c";
 
 pub const COUNTER: &str =
     "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done";
