@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
 use crate::error::{Error, Result};
@@ -42,6 +42,7 @@ pub struct Cmd {
     argv: Vec<OsString>,
     timeout: Duration,
     stdin_file: Option<std::path::PathBuf>,
+    stdin_bytes: Option<Vec<u8>>,
     log_file: Option<std::path::PathBuf>,
     env: Vec<(OsString, OsString)>,
     max_stdout: usize,
@@ -54,6 +55,7 @@ impl Cmd {
             argv: vec![program.into()],
             timeout: Duration::from_secs(120),
             stdin_file: None,
+            stdin_bytes: None,
             log_file: None,
             env: Vec::new(),
             max_stdout: MAX_STDOUT,
@@ -90,6 +92,13 @@ impl Cmd {
 
     pub fn timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
+        self
+    }
+
+    /// Feed these bytes as stdin instead of /dev/null (a batch for `iptables-restore`
+    /// or `ip -batch -`: one process instead of one per step).
+    pub fn stdin_bytes(mut self, b: impl Into<Vec<u8>>) -> Self {
+        self.stdin_bytes = Some(b.into());
         self
     }
 
@@ -144,6 +153,9 @@ impl Cmd {
                 let f = std::fs::File::open(p).map_err(|e| Error::io("open stdin", p, e))?;
                 c.stdin(Stdio::from(f));
             }
+            None if self.stdin_bytes.is_some() => {
+                c.stdin(Stdio::piped());
+            }
             None => {
                 c.stdin(Stdio::null());
             }
@@ -173,6 +185,7 @@ impl Cmd {
             .as_ref()
             .and_then(|p| std::fs::metadata(p).ok())
             .map_or(0, |m| m.len());
+        let started = std::time::Instant::now();
         let mut c = self.build()?;
         let mut child = c.spawn().map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
@@ -185,12 +198,22 @@ impl Cmd {
             }
         })?;
         let (out, err) = (child.stdout.take(), child.stderr.take());
+        let stdin = child.stdin.take();
+        let feed = async {
+            if let (Some(mut w), Some(bytes)) = (stdin, &self.stdin_bytes) {
+                // A child that exits without reading all of it closes the pipe: its
+                // exit code says what went wrong, not this write.
+                let _ = w.write_all(bytes).await;
+            }
+            Ok(())
+        };
         let finished = async {
             // Both pipes are drained together (a child blocked on a full stderr pipe
-            // would never close stdout), each up to its cap.
-            let (stdout, stderr) = tokio::try_join!(
+            // would never close stdout), each up to its cap, while stdin is fed.
+            let (stdout, stderr, ()) = tokio::try_join!(
                 read_capped(out, self.max_stdout, "stdout"),
                 read_capped(err, self.max_stderr, "stderr"),
+                feed,
             )?;
             let status = child.wait().await.map_err(Capped::Io)?;
             Ok::<_, Capped>((status, stdout, stderr))
@@ -222,6 +245,13 @@ impl Cmd {
             }
             Ok(Ok(r)) => r,
         };
+        // Where a fork's time goes, command by command (RUST_LOG=ramify_node_agent::cmd=debug).
+        tracing::debug!(
+            took_ms = started.elapsed().as_secs_f64() * 1000.0,
+            code = status.code(),
+            command = %self.display(),
+            "command finished"
+        );
         if let Some(p) = &self.log_file {
             // What this invocation appended (its last LOG_TAIL bytes), standing in for
             // stderr. Only the tail is read: the sandbox's console output goes to the
@@ -404,5 +434,24 @@ mod tests {
         assert_eq!(out.code, 3);
         assert!(out.stderr.len() as u64 <= LOG_TAIL);
         assert!(String::from_utf8_lossy(&out.stderr).ends_with("the-end\n"));
+    }
+
+    #[tokio::test]
+    async fn stdin_bytes_reach_the_child_and_a_child_that_ignores_them_is_fine() {
+        // 4 MiB: more than a pipe holds, so feeding and draining must overlap.
+        let big = vec![b'x'; 4 << 20];
+        let out = Cmd::new("cat")
+            .stdin_bytes(big.clone())
+            .run()
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, big);
+        let out = Cmd::new("sh")
+            .args(["-c", "exit 4"])
+            .stdin_bytes(big)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.code, 4);
     }
 }

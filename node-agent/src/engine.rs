@@ -1,6 +1,6 @@
 //! The fork engine: start, exec, snapshot, fork, warm pools, commit and abort.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -114,6 +114,9 @@ struct Inner {
     generation: AtomicU64,
     /// Every sandbox id this engine handed out (diagnostics: what to check for leaks).
     issued: Mutex<Vec<String>>,
+    /// Sandbox process (pid, start time) by sandbox id, as `runsc state` last reported
+    /// it running: while that process lives, the sandbox runs (see [`Engine::is_running`]).
+    sandbox_procs: Mutex<HashMap<String, (i32, u64)>>,
 }
 
 /// Cheap to clone; all clones share one engine.
@@ -155,6 +158,7 @@ impl Engine {
                 store,
                 generation: AtomicU64::new(1),
                 issued: Mutex::new(Vec::new()),
+                sandbox_procs: Mutex::default(),
             }),
         })
     }
@@ -626,11 +630,7 @@ impl Engine {
     /// if one branch fails, the others are destroyed and the error returned.
     #[instrument(skip(self, opts))]
     pub async fn fork(&self, snapshot: &str, n: u32, opts: &ForkOptions) -> Result<Vec<Sandbox>> {
-        // One verification per fork: the image files are read-only from seal on.
-        let (meta, img) = self
-            .inner
-            .store
-            .verify(snapshot, self.inner.runsc.version())?;
+        let (meta, img) = self.verified_image(snapshot).await?;
         diff::glob_roots(&opts.track)?;
         let futs = (0..n).map(|i| {
             let name = format!(
@@ -891,6 +891,7 @@ impl Engine {
     /// the first error.
     #[instrument(skip(self, sb), fields(id = %sb.id))]
     pub async fn destroy(&self, sb: Sandbox) -> Result<()> {
+        self.forget_proc(&sb.id);
         let mut first: Option<Error> = None;
         // A frozen task cannot die: thaw first (no-op if not frozen or not created).
         if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists() {
@@ -1056,11 +1057,53 @@ impl Engine {
     }
 
     /// Whether the sandbox's container is running (or paused) according to runsc.
+    ///
+    /// The sandbox process exits (through a zombie) when its container stops, so while
+    /// the process runsc last reported is alive, with the same start time, the answer
+    /// stands without asking again: `runsc state` is a process start and tens of
+    /// milliseconds of CPU, and every status change of a sandbox reconciles it.
     pub async fn is_running(&self, sb: &Sandbox) -> Result<bool> {
+        let known = self
+            .inner
+            .sandbox_procs
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&sb.id).copied());
+        if let Some((pid, started)) = known {
+            if proc_start_time(pid) == Some(started) {
+                return Ok(true);
+            }
+            self.forget_proc(&sb.id);
+        } else if let Some(pid) = Runsc::sandbox_pid(&sb.ctx)
+            && let Some(started) = proc_start_time(pid)
+            && std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(sb.id.len()).any(|w| w == sb.id.as_bytes()))
+        {
+            // What `run`/`restore` wrote, checked to be this sandbox's process.
+            if let Ok(mut m) = self.inner.sandbox_procs.lock() {
+                m.insert(sb.id.clone(), (pid, started));
+            }
+            return Ok(true);
+        }
         match self.inner.runsc.state(&sb.ctx).await {
-            Ok(st) => Ok(st.status == "running" || st.status == "paused"),
+            Ok(st) => {
+                let running = st.status == "running" || st.status == "paused";
+                if let Some(pid) = i32::try_from(st.pid).ok().filter(|p| running && *p > 0)
+                    && let Some(started) = proc_start_time(pid)
+                    && let Ok(mut m) = self.inner.sandbox_procs.lock()
+                {
+                    m.insert(sb.id.clone(), (pid, started));
+                }
+                Ok(running)
+            }
             Err(Error::Command { .. }) => Ok(false),
             Err(e) => Err(e),
+        }
+    }
+
+    fn forget_proc(&self, id: &str) {
+        if let Ok(mut m) = self.inner.sandbox_procs.lock() {
+            m.remove(id);
         }
     }
 
@@ -1074,12 +1117,20 @@ impl Engine {
         index: u32,
         track: &[String],
     ) -> Result<Sandbox> {
-        let (meta, img) = self
-            .inner
-            .store
-            .verify(snapshot, self.inner.runsc.version())?;
+        let (meta, img) = self.verified_image(snapshot).await?;
         diff::glob_roots(track)?;
         self.restore_branch(&meta, &img, name, index, track).await
+    }
+
+    /// The snapshot's metadata and image directory, once the image checks out (see
+    /// [`SnapshotStore::verify`]: hashed the first time, then only if a file changed).
+    /// Hashing a large image is seconds of CPU: it runs off the async workers.
+    async fn verified_image(&self, snapshot: &str) -> Result<(SnapshotMeta, PathBuf)> {
+        let store = self.inner.store.clone();
+        let (id, version) = (snapshot.to_string(), self.inner.runsc.version().to_string());
+        tokio::task::spawn_blocking(move || store.verify(&id, &version))
+            .await
+            .map_err(|e| Error::Join(e.to_string()))?
     }
 
     /// Run a command with extra environment (on top of the workload's) and a timeout.
@@ -1241,6 +1292,21 @@ fn which(tool: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Start time (clock ticks since boot, field 22 of `/proc/<pid>/stat`) of a live
+/// process; `None` once it is gone or a zombie. With the pid it names one process for
+/// good: a recycled pid has another start time.
+pub fn proc_start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: fields after the
+    // last ')' are plain.
+    let mut rest = stat.rsplit_once(')')?.1.split_whitespace();
+    let state = rest.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    rest.nth(18)?.parse().ok()
+}
+
 /// Pids whose command line mentions `needle` (runsc's sandbox and gofer processes
 /// carry their --root, which contains the sandbox id).
 pub fn pids_mentioning(needle: &str) -> Vec<i32> {
@@ -1381,10 +1447,7 @@ impl WarmPool {
                 continue;
             }
             let made = async {
-                let (meta, img) = engine
-                    .inner
-                    .store
-                    .verify(&snapshot, engine.inner.runsc.version())?;
+                let (meta, img) = engine.verified_image(&snapshot).await?;
                 let sb = engine
                     .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[])
                     .await?;
@@ -1595,5 +1658,31 @@ impl Drop for WarmPool {
                 "warm pool dropped outside a runtime; branches left to the orphan sweep"
             );
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_start_time_is_stable_and_a_zombie_has_none() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        let t = proc_start_time(me).expect("this process is alive");
+        assert_eq!(proc_start_time(me), Some(t));
+        // An exited child that is not reaped yet is a zombie: not alive.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while proc_start_time(pid).is_some() {
+            assert!(Instant::now() < deadline, "child never exited");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+        );
+        child.wait().unwrap();
+        assert_eq!(proc_start_time(pid), None);
     }
 }

@@ -268,36 +268,37 @@ impl Standalone {
         // gVisor's netstack sends through a packet socket on eth0, which bypasses
         // netfilter inside the netns, so egress is filtered on the host side, keyed by
         // the sandbox's address.
+        // One iptables-restore transaction: the chain and its two jumps appear
+        // together or not at all (and cost one process, not one per rule).
         let chain = chain_name(&req.id);
-        Self::ipt().args(["-N", chain.as_str()]).run().await?;
-        placed.chain = Some(chain.clone());
-        Self::ipt()
-            .args([
-                "-A",
-                chain.as_str(),
-                "-m",
-                "conntrack",
-                "--ctstate",
-                "ESTABLISHED,RELATED",
-                "-j",
-                "ACCEPT",
-            ])
-            .run()
-            .await?;
+        let mut batch = vec![
+            format!(":{chain} - [0:0]"),
+            format!("-A {chain} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"),
+        ];
         for c in &req.egress_allow {
-            Self::ipt()
-                .args(["-A", chain.as_str(), "-d", &c.to_string(), "-j", "ACCEPT"])
-                .run()
-                .await?;
+            batch.push(format!("-A {chain} -d {c} -j ACCEPT"));
         }
-        Self::ipt()
-            .args(["-A", chain.as_str(), "-j", "DROP"])
-            .run()
-            .await?;
+        batch.push(format!("-A {chain} -j DROP"));
         for (hook, rule) in self.rules(&req.id, &addr, &chain) {
-            Self::ipt().args(["-I", hook, "1"]).args(rule).run().await?;
+            batch.push(format!("-I {hook} 1 {}", rule.join(" ")));
         }
+        Self::ipt_batch(&batch).run().await?;
+        placed.chain = Some(chain);
         Ok(())
+    }
+
+    /// `iptables-restore` of `lines` into the filter table as one transaction, leaving
+    /// every other rule alone.
+    fn ipt_batch(lines: &[String]) -> Cmd {
+        let mut input = String::from("*filter\n");
+        for l in lines {
+            input.push_str(l);
+            input.push('\n');
+        }
+        input.push_str("COMMIT\n");
+        Cmd::new("iptables-restore")
+            .args(["-w", "5", "--noflush"])
+            .stdin_bytes(input)
     }
 
     /// The rules a placement inserts, as (hook, rule spec), tagged with the sandbox id
@@ -392,44 +393,20 @@ impl Placement for Standalone {
             let (Some(ns), Some(a)) = (&placed.netns, &placed.address) else {
                 return Ok(());
             };
-            let nsarg = format!("--net={}", ns.display());
-            let ip = |args: Vec<String>| {
-                Cmd::new("nsenter")
-                    .arg(nsarg.as_str())
-                    .arg("--")
-                    .arg("ip")
-                    .args(args)
-            };
-            ip(vec![
-                "link".into(),
-                "set".into(),
-                "eth0".into(),
-                "up".into(),
-            ])
-            .run()
-            .await?;
-            ip(vec![
-                "addr".into(),
-                "replace".into(),
-                format!("{}/{}", a.ip, a.prefix),
-                "dev".into(),
-                "eth0".into(),
-            ])
-            .run()
-            .await?;
+            // One `ip` process for all three steps; it stops at the first that fails.
+            let mut batch = format!(
+                "link set eth0 up\naddr replace {}/{} dev eth0\n",
+                a.ip, a.prefix
+            );
             if let Some(gw) = a.gateway {
-                ip(vec![
-                    "route".into(),
-                    "replace".into(),
-                    "default".into(),
-                    "via".into(),
-                    gw.to_string(),
-                    "dev".into(),
-                    "eth0".into(),
-                ])
+                batch.push_str(&format!("route replace default via {gw} dev eth0\n"));
+            }
+            Cmd::new("nsenter")
+                .arg(format!("--net={}", ns.display()))
+                .args(["--", "ip", "-batch", "-"])
+                .stdin_bytes(batch)
                 .run()
                 .await?;
-            }
             Ok(())
         })
     }
@@ -444,7 +421,23 @@ impl Placement for Standalone {
                     first.get_or_insert(e);
                 }
             };
-            if let Some(chain) = &placed.chain {
+            // The usual case in one transaction: both jumps and the chain exist.
+            let batched = match (&placed.chain, &placed.address) {
+                (Some(chain), Some(a)) => {
+                    let mut batch: Vec<String> = self
+                        .rules(&placed.id, a, chain)
+                        .into_iter()
+                        .map(|(hook, rule)| format!("-D {hook} {}", rule.join(" ")))
+                        .collect();
+                    batch.push(format!("-F {chain}"));
+                    batch.push(format!("-X {chain}"));
+                    Self::ipt_batch(&batch).run().await.is_ok()
+                }
+                _ => false,
+            };
+            // Otherwise (a rule already gone, or a placement of an older agent), step
+            // by step, each step allowed to find nothing to remove.
+            if let Some(chain) = placed.chain.as_ref().filter(|_| !batched) {
                 if let Some(a) = &placed.address {
                     // A placement made by an agent from before the INPUT drop rule has,
                     // instead, a jump from INPUT into the egress chain: remove that if

@@ -319,13 +319,30 @@ impl Runsc {
         ctx.root.with_file_name("console.log")
     }
 
+    /// Where `run` and `restore` write the sandbox process's pid.
+    pub fn pid_file(ctx: &SandboxCtx) -> PathBuf {
+        ctx.root.with_file_name("sandbox.pid")
+    }
+
+    /// The pid `run` or `restore` wrote (`None` before, or if runsc wrote none).
+    pub fn sandbox_pid(ctx: &SandboxCtx) -> Option<i32> {
+        std::fs::read_to_string(Self::pid_file(ctx))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     #[instrument(skip(self, ctx), fields(id = %ctx.id))]
     pub async fn run(&self, ctx: &SandboxCtx, bundle: &Path) -> Result<()> {
+        // A pid left from an earlier run names a process that is gone (or recycled).
+        let _ = std::fs::remove_file(Self::pid_file(ctx));
         let c = self.command(
             ctx,
             &[
                 "run".into(),
                 format!("--bundle={}", bundle.display()).into(),
+                format!("--pid-file={}", Self::pid_file(ctx).display()).into(),
                 "--detach".into(),
                 ctx.id.clone().into(),
             ],
@@ -336,10 +353,12 @@ impl Runsc {
 
     #[instrument(skip(self, ctx), fields(id = %ctx.id))]
     pub async fn restore(&self, ctx: &SandboxCtx, bundle: &Path, image: &Path) -> Result<()> {
+        let _ = std::fs::remove_file(Self::pid_file(ctx));
         let mut sub: Vec<OsString> = vec![
             "restore".into(),
             format!("--image-path={}", image.display()).into(),
             format!("--bundle={}", bundle.display()).into(),
+            format!("--pid-file={}", Self::pid_file(ctx).display()).into(),
             "--detach".into(),
         ];
         // Lazy page loading needs uncompressed images, which we only write when the

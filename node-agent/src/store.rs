@@ -1,10 +1,16 @@
 //! Snapshot store on local disk: one directory per snapshot holding the runsc image
 //! files and `meta.json` (runsc version, sha256 of every file, sizes, the workload it
-//! came from, expiry). Images are verified before every restore.
+//! came from, expiry). Images are verified before every restore: an image file is
+//! hashed the first time, and again whenever its inode, size, mtime or ctime moved (a
+//! write moves ctime, which nothing can set back), so forking N branches of a large
+//! image hashes it once, not N times.
 
+use std::collections::HashMap;
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -48,6 +54,36 @@ pub struct SnapshotMeta {
 #[derive(Debug, Clone)]
 pub struct SnapshotStore {
     dir: PathBuf,
+    /// Files whose hash matched their record, with how they looked when read.
+    verified: Arc<Mutex<HashMap<VerifiedKey, FileStamp>>>,
+    /// Image files hashed by `verify` so far (what the memo saves is visible).
+    hashed: Arc<AtomicU64>,
+}
+
+/// (snapshot id, file name, recorded sha256).
+type VerifiedKey = (String, String, String);
+
+/// How a file looked: any write changes it (ctime cannot be set back by a user).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(m: &fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -102,7 +138,15 @@ pub fn sha256_file(path: &Path) -> Result<(u64, String)> {
 /// Like [`sha256_file`], reading at most `max + 1` bytes (a file longer than `max` is
 /// reported with a size of `max + 1` and the digest of what was read).
 fn sha256_file_max(path: &Path, max: u64) -> Result<(u64, String)> {
-    let mut f = open_regular(path)?.take(max.saturating_add(1));
+    hash_and_stamp(path, max).map(|(size, sha, _)| (size, sha))
+}
+
+/// [`sha256_file_max`], plus how the file looked before it was read (a write during
+/// the read then shows as a changed stamp next time).
+fn hash_and_stamp(path: &Path, max: u64) -> Result<(u64, String, FileStamp)> {
+    let f = open_regular(path)?;
+    let stamp = FileStamp::of(&f.metadata().map_err(|e| Error::io("stat", path, e))?);
+    let mut f = f.take(max.saturating_add(1));
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
@@ -114,7 +158,7 @@ fn sha256_file_max(path: &Path, max: u64) -> Result<(u64, String)> {
         total += n as u64;
         h.update(&buf[..n]);
     }
-    Ok((total, hex::encode(h.finalize())))
+    Ok((total, hex::encode(h.finalize()), stamp))
 }
 
 fn digest_of(files: &[ImageFile]) -> String {
@@ -132,7 +176,16 @@ impl SnapshotStore {
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
         fs::create_dir_all(&dir).map_err(|e| Error::io("create snapshot store", &dir, e))?;
-        Ok(SnapshotStore { dir })
+        Ok(SnapshotStore {
+            dir,
+            verified: Arc::default(),
+            hashed: Arc::default(),
+        })
+    }
+
+    /// Image files `verify` has hashed so far (a file verified unchanged is not counted).
+    pub fn hashed_files(&self) -> u64 {
+        self.hashed.load(Ordering::Relaxed)
     }
 
     pub fn dir(&self) -> &Path {
@@ -257,8 +310,25 @@ impl SnapshotStore {
         for f in &meta.files {
             // The names were just matched against a directory listing, so none holds a
             // `/`; the read stops one byte past the recorded size.
-            let (size, sha) = sha256_file_max(&img.join(&f.name), f.size)?;
-            if sha != f.sha256 || size != f.size {
+            let path = img.join(&f.name);
+            let key = (id.to_string(), f.name.clone(), f.sha256.clone());
+            let unchanged = fs::symlink_metadata(&path).ok().is_some_and(|m| {
+                m.file_type().is_file()
+                    && self
+                        .verified
+                        .lock()
+                        .is_ok_and(|v| v.get(&key) == Some(&FileStamp::of(&m)))
+            });
+            if unchanged {
+                continue;
+            }
+            let (size, sha, stamp) = hash_and_stamp(&path, f.size)?;
+            self.hashed.fetch_add(1, Ordering::Relaxed);
+            if sha == f.sha256 && size == f.size {
+                if let Ok(mut v) = self.verified.lock() {
+                    v.insert(key, stamp);
+                }
+            } else {
                 warn!(file = %f.name, "snapshot image corrupt");
                 return Err(Error::CorruptImage {
                     id: id.into(),
@@ -290,6 +360,9 @@ impl SnapshotStore {
 
     pub fn remove(&self, id: &str) -> Result<()> {
         let d = self.snap_dir(id)?;
+        if let Ok(mut v) = self.verified.lock() {
+            v.retain(|(i, _, _), _| i != id);
+        }
         match fs::remove_dir_all(&d) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -372,12 +445,19 @@ mod tests {
         assert_eq!(m.size_bytes, 4096);
         assert_eq!(s.total_bytes().unwrap(), 4096);
         assert!(s.verify("a", "runsc version test").is_ok());
+        let hashed = s.hashed_files();
+        assert_eq!(hashed, 1);
+        // Verified and unchanged since: not read again.
+        assert!(s.verify("a", "runsc version test").is_ok());
+        assert_eq!(s.hashed_files(), hashed);
         assert!(matches!(
             s.verify("a", "runsc version other"),
             Err(Error::VersionMismatch { .. })
         ));
-        // Flip one byte (the file is read-only, as root we can still write it).
+        // Flip one byte (the file is read-only, as root we can still write it), then
+        // put its mtime back: the change of ctime still forces a new hash.
         let p = d.path().join("a").join(IMAGE).join("checkpoint.img");
+        let mtime = fs::metadata(&p).unwrap().modified().unwrap();
         let mut perm = fs::metadata(&p).unwrap().permissions();
         #[allow(clippy::permissions_set_readonly_false)]
         perm.set_readonly(false);
@@ -385,6 +465,13 @@ mod tests {
         let mut b = fs::read(&p).unwrap();
         b[100] ^= 1;
         fs::write(&p, b).unwrap();
+        fs::File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert_eq!(fs::metadata(&p).unwrap().modified().unwrap(), mtime);
         assert!(matches!(
             s.verify("a", "runsc version test"),
             Err(Error::CorruptImage { .. })

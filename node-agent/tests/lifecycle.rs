@@ -578,3 +578,60 @@ async fn release_removes_the_input_jump_of_a_placement_made_by_an_older_agent() 
     assert!(!Path::new("/run/netns").join(&id).exists());
     h.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_whose_workload_exits_stops_running_and_a_live_one_keeps_running() {
+    use ramify_node_agent::engine::proc_start_time;
+    let h = harness("exit").await;
+    let quitter = h.start("quitter", "sleep 1; exit 0", vec![]).await;
+    let runner = h
+        .start("runner", "while true; do sleep 1; done", vec![])
+        .await;
+    assert!(h.engine.is_running(&quitter).await.unwrap());
+    assert!(h.engine.is_running(&runner).await.unwrap());
+    // The sandbox process runsc names: alive, with a stable start time.
+    let pid = i32::try_from(h.engine.runsc().state(quitter.ctx()).await.unwrap().pid).unwrap();
+    let started = proc_start_time(pid).expect("sandbox process alive");
+    // The same process `runsc run` wrote to its pid file: the agent trusts that one
+    // without asking runsc.
+    assert_eq!(
+        ramify_node_agent::runsc::Runsc::sandbox_pid(quitter.ctx()),
+        Some(pid)
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while h.engine.is_running(&quitter).await.unwrap() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a sandbox whose workload exited still counts as running"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // runsc agrees, and the process is gone (or a zombie) or is another one.
+    assert_eq!(
+        h.engine.runsc().state(quitter.ctx()).await.unwrap().status,
+        "stopped"
+    );
+    assert_ne!(proc_start_time(pid), Some(started));
+    assert!(h.engine.is_running(&runner).await.unwrap());
+    // A restored branch's pid file names its sandbox process too.
+    let mut runner = runner;
+    let snap = h.engine.snapshot(&mut runner, None).await.unwrap();
+    let branch = h
+        .engine
+        .fork(&snap.meta.id, 1, &ForkOptions::default())
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    let st = h.engine.runsc().state(branch.ctx()).await.unwrap();
+    assert_eq!(st.status, "running");
+    assert_eq!(
+        ramify_node_agent::runsc::Runsc::sandbox_pid(branch.ctx()).map(i64::from),
+        Some(st.pid)
+    );
+    assert!(h.engine.is_running(&branch).await.unwrap());
+    h.destroy_clean(branch).await;
+    h.destroy_clean(quitter).await;
+    h.destroy_clean(runner).await;
+    h.finish().await;
+}

@@ -750,23 +750,28 @@ impl Agent {
                     warn!(error = %e, "warm claim failed; restoring cold");
                 }
                 self.metrics.warm_misses.inc();
-                // A cold restore takes a while: say so. (A warm claim goes straight to Running.)
-                self.write_sandbox_status(
-                    obj,
-                    SandboxPhase::Starting,
-                    None,
-                    (
-                        false,
-                        "Restoring",
-                        format!("restoring from snapshot {}", rf.snapshot),
+                // A cold restore takes a while: say so (a warm claim goes straight to
+                // Running). The note goes out while the restore runs, not before it,
+                // and a failed note never costs the restored sandbox: it is reported
+                // Running (or Failed) next anyway.
+                let (noted, sb) = futures::join!(
+                    self.write_sandbox_status(
+                        obj,
+                        SandboxPhase::Starting,
+                        None,
+                        (
+                            false,
+                            "Restoring",
+                            format!("restoring from snapshot {}", rf.snapshot),
+                        ),
+                        json!({}),
                     ),
-                    json!({}),
-                )
-                .await?;
-                let sb = self
-                    .engine
-                    .fork_one(&rec.image_id, &name, index, &track)
-                    .await?;
+                    self.engine.fork_one(&rec.image_id, &name, index, &track)
+                );
+                if let Err(e) = noted {
+                    warn!(error = %e, "could not report Restoring");
+                }
+                let sb = sb?;
                 self.metrics
                     .restore_seconds
                     .observe(t0.elapsed().as_secs_f64());
