@@ -24,7 +24,15 @@ pub struct System {
     pub state_dir: PathBuf,
     pub runsc: PathBuf,
     pub rootfs: PathBuf,
+    /// Names this system's cgroup parent (`/ramify-e2e-<suffix>`).
+    suffix: String,
+    /// The e2e bridge's iptables rules from before this system started.
+    iptables_before: Vec<String>,
 }
+
+/// The e2e agent's bridge and subnet (never shared with a demo agent).
+const BRIDGE: &str = "rmye2e0";
+const SUBNET_PREFIX: &str = "10.89.";
 
 /// The pinned current runsc (built from the Go module proxy, cached).
 pub fn runsc() -> PathBuf {
@@ -57,6 +65,7 @@ pub fn clean_earlier_runs() {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
+        remove_cgroup_parents("ramify-e2e-*");
     });
 }
 
@@ -125,13 +134,17 @@ impl System {
                 "127.0.0.1:0".into(),
                 // Its own bridge and subnet: never shares addresses with a demo agent.
                 "--bridge".into(),
-                "rmye2e0".into(),
+                BRIDGE.into(),
                 "--subnet".into(),
-                "10.89.0.0/16".into(),
+                format!("{SUBNET_PREFIX}0.0/16"),
+                // Its own cgroup parent: what is left under it is this system's.
+                "--cgroup-parent".into(),
+                format!("/ramify-e2e-{suffix}"),
             ],
             env,
             &base,
         );
+        let iptables_before = bridge_rules();
         operator.start().unwrap();
         agent.start().unwrap();
         System {
@@ -143,6 +156,8 @@ impl System {
             state_dir,
             runsc,
             rootfs,
+            suffix: suffix.to_string(),
+            iptables_before,
         }
     }
 
@@ -340,7 +355,13 @@ spec:
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let leftovers = node_leftovers(&self.state_dir);
+        let mut leftovers = node_leftovers(&self.state_dir);
+        leftovers.extend(
+            bridge_rules()
+                .into_iter()
+                .filter(|r| !self.iptables_before.contains(r))
+                .map(|r| format!("iptables rule {r}")),
+        );
         assert!(
             leftovers.is_empty(),
             "left on the node: {leftovers:#?}\n{}",
@@ -348,11 +369,59 @@ spec:
         );
         self.operator.kill().unwrap();
         self.agent.kill().unwrap();
+        remove_cgroup_parents(&format!("ramify-e2e-{}", self.suffix));
     }
 }
 
-/// Sandboxes and images of the agent whose state is in `state_dir`, and any process
-/// that still mentions it.
+/// The cgroup v2 tree and every v1 hierarchy (whichever this host has).
+fn cgroup_roots() -> Vec<PathBuf> {
+    let mut roots = vec![PathBuf::from("/sys/fs/cgroup")];
+    roots.extend(
+        std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path()),
+    );
+    roots
+}
+
+/// Removes the (empty) cgroup parents named `name` or, with a trailing `*`, starting
+/// with it, in every hierarchy.
+fn remove_cgroup_parents(name: &str) {
+    for root in cgroup_roots() {
+        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let hit = match name.strip_suffix('*') {
+                Some(prefix) => n.starts_with(prefix),
+                None => n == name,
+            };
+            if hit {
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+}
+
+/// iptables rules that concern the e2e bridge or its subnet (every sandbox of an e2e
+/// agent has its rules tagged so; release removes them).
+fn bridge_rules() -> Vec<String> {
+    let out = Command::new("iptables")
+        .args(["-w", "5", "-S"])
+        .output()
+        .expect("iptables");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| {
+            l.contains(&format!("-i {BRIDGE} ")) || l.contains(&format!("-s {SUBNET_PREFIX}"))
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// Sandboxes and images of the agent whose state is in `state_dir`, any process that
+/// still mentions it, mounts under it, IP leases in its IPAM directory, and cgroups
+/// under its cgroup parent (read from the settings the agent wrote there).
 pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
     let mut out = Vec::new();
     let sandboxes = state_dir.join("engine/sandboxes");
@@ -371,6 +440,43 @@ pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
                 "snapshot image {}",
                 e.file_name().to_string_lossy()
             ));
+        }
+    }
+    // An address still leased (host-local keeps one file per address).
+    if let Ok(rd) = std::fs::read_dir(state_dir.join("ipam")) {
+        for net in rd.flatten() {
+            for lease in std::fs::read_dir(net.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = lease.file_name().to_string_lossy().into_owned();
+                if name.parse::<std::net::IpAddr>().is_ok() {
+                    out.push(format!("IP lease {name}"));
+                }
+            }
+        }
+    }
+    if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") {
+        let dir = state_dir.to_string_lossy();
+        for point in m.lines().filter_map(|l| l.split(' ').nth(4)) {
+            if point.starts_with(dir.as_ref()) {
+                out.push(format!("mount {point}"));
+            }
+        }
+    }
+    let parent = std::fs::read(state_dir.join("agent.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["cgroup_parent"].as_str().map(str::to_string));
+    if let Some(parent) = parent.filter(|p| !p.trim_matches('/').is_empty()) {
+        for root in cgroup_roots() {
+            let dir = root.join(parent.trim_start_matches('/'));
+            for child in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                if child.file_type().is_ok_and(|t| t.is_dir()) {
+                    out.push(format!("cgroup {}", child.path().display()));
+                }
+            }
         }
     }
     let needle = state_dir.join("engine").to_string_lossy().into_owned();

@@ -7,7 +7,7 @@
 //! tests kill them).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kube::api::{Api, ListParams, PostParams};
@@ -385,7 +385,42 @@ fn agent_state_is_per_test() {
         node_leftovers(&dir),
         vec!["sandbox directory ramify-node-fake".to_string()]
     );
+    std::fs::remove_dir_all(dir.join("engine")).unwrap();
+    // A leased address and a sandbox cgroup under the agent's cgroup parent, too.
+    let parent = format!("ramify-e2e-fake{}", std::process::id());
+    std::fs::write(
+        dir.join("agent.json"),
+        serde_json::json!({"cgroup_parent": format!("/{parent}")}).to_string(),
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.join("ipam/ramify-rmye2e0")).unwrap();
+    std::fs::write(
+        dir.join("ipam/ramify-rmye2e0/10.89.0.7"),
+        "ramify-node-fake",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("ipam/ramify-rmye2e0/last_reserved_ip.0"),
+        "10.89.0.7",
+    )
+    .unwrap();
+    // cgroup v1 (a pids hierarchy) or v2 (one unified tree).
+    let hierarchy = Some(Path::new("/sys/fs/cgroup/pids"))
+        .filter(|p| p.exists())
+        .unwrap_or(Path::new("/sys/fs/cgroup"));
+    let cg = hierarchy.join(&parent);
+    std::fs::create_dir_all(cg.join("ramify-node-fake")).unwrap();
+    let left = node_leftovers(&dir);
+    std::fs::remove_dir(cg.join("ramify-node-fake")).unwrap();
+    std::fs::remove_dir(&cg).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(
+        left,
+        vec![
+            "IP lease 10.89.0.7".to_string(),
+            format!("cgroup {}", cg.join("ramify-node-fake").display())
+        ]
+    );
 }
 
 fn tempfile_dir() -> PathBuf {

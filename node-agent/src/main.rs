@@ -72,6 +72,9 @@ enum Command {
         /// Subnet handed to sandboxes (standalone).
         #[arg(long, default_value = "10.88.0.0/16")]
         subnet: String,
+        /// Cgroup under which every sandbox gets its own (standalone).
+        #[arg(long, default_value = DEFAULT_CGROUP_PARENT)]
+        cgroup_parent: String,
         /// Log as JSON.
         #[arg(long, env = "RAMIFY_LOG_JSON", default_value_t = false)]
         log_json: bool,
@@ -116,7 +119,7 @@ enum Command {
     Sweep {
         #[arg(long, default_value = "ramify-")]
         prefix: String,
-        #[arg(long, default_value = "/ramify")]
+        #[arg(long, default_value = DEFAULT_CGROUP_PARENT)]
         cgroup_parent: String,
     },
     /// Remove expired snapshots from a store.
@@ -132,6 +135,7 @@ async fn engine(
     state_dir: &Path,
     bridge: &str,
     subnet: &str,
+    cgroup_parent: &str,
     owner: Option<String>,
 ) -> anyhow::Result<Engine> {
     let placement = Standalone::new(StandaloneConfig {
@@ -140,7 +144,7 @@ async fn engine(
         subnet: subnet.into(),
         ipam_dir: state_dir.join("ipam"),
         conf_dir: state_dir.join("cni"),
-        cgroup_parent: "/ramify".into(),
+        cgroup_parent: cgroup_parent.into(),
     })?;
     Ok(Engine::new(
         EngineConfig {
@@ -167,6 +171,14 @@ struct AgentSettings {
     platform: String,
     bridge: String,
     subnet: String,
+    #[serde(default = "default_cgroup_parent")]
+    cgroup_parent: String,
+}
+
+const DEFAULT_CGROUP_PARENT: &str = "/ramify";
+
+fn default_cgroup_parent() -> String {
+    DEFAULT_CGROUP_PARENT.into()
 }
 
 fn settings_path(state_dir: &Path) -> PathBuf {
@@ -187,6 +199,7 @@ async fn local_engine(
             platform: platform.to_string(),
             bridge: "ramify0".into(),
             subnet: "10.88.0.0/16".into(),
+            cgroup_parent: default_cgroup_parent(),
         });
     engine(
         &s.runsc,
@@ -194,6 +207,7 @@ async fn local_engine(
         state_dir,
         &s.bridge,
         &s.subnet,
+        &s.cgroup_parent,
         Some("node".into()),
     )
     .await
@@ -259,6 +273,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             mode,
             bridge,
             subnet,
+            cgroup_parent,
             log_json,
         } => {
             if log_json {
@@ -278,6 +293,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 &state.state_dir,
                 &bridge,
                 &subnet,
+                &cgroup_parent,
                 Some("node".into()),
             )
             .await?;
@@ -286,6 +302,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 platform: cli.platform.clone(),
                 bridge: bridge.clone(),
                 subnet: subnet.clone(),
+                cgroup_parent: cgroup_parent.clone(),
             };
             std::fs::write(
                 settings_path(&state.state_dir),

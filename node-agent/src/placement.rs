@@ -435,57 +435,46 @@ impl Placement for Standalone {
                 }
                 _ => false,
             };
-            // Otherwise (a rule already gone, or a placement of an older agent), step
-            // by step, each step allowed to find nothing to remove.
+            // Otherwise step by step, from what is there: every rule tagged with this
+            // sandbox's id, whatever its form (an older agent's, or a half-made
+            // placement whose address was never recorded), then the chain if it exists.
             if let Some(chain) = placed.chain.as_ref().filter(|_| !batched) {
-                if let Some(a) = &placed.address {
-                    // A placement made by an agent from before the INPUT drop rule has,
-                    // instead, a jump from INPUT into the egress chain: remove that if
-                    // it is there (absent is the normal case, not an error).
-                    let legacy = Self::ipt()
-                        .args(["-D", "INPUT", "-s", &format!("{}/32", a.ip)])
-                        .args([
-                            "-m",
-                            "comment",
-                            "--comment",
-                            &format!("ramify:{}", placed.id),
-                        ])
-                        .args(["-j", chain.as_str()])
-                        .run()
-                        .await
-                        .is_ok();
-                    for (hook, rule) in self.rules(&placed.id, a, chain) {
-                        if legacy && hook == "INPUT" {
-                            continue;
+                match Self::ipt().arg("-S").run().await {
+                    Ok(listing) => {
+                        let listing = listing.stdout_str();
+                        let tag = format!("\"ramify:{}\"", placed.id);
+                        for line in listing.lines().filter(|l| l.contains(&tag)) {
+                            let Some(rule) = line.strip_prefix("-A ") else {
+                                continue;
+                            };
+                            let rule = rule.split_whitespace().map(|w| w.trim_matches('"'));
+                            note(Self::ipt().arg("-D").args(rule).run().await.map(|_| ()));
                         }
-                        note(
-                            Self::ipt()
-                                .args(["-D", hook])
-                                .args(rule)
-                                .run()
-                                .await
-                                .map(|_| ()),
-                        );
+                        if listing.lines().any(|l| l == format!("-N {chain}")) {
+                            note(
+                                Self::ipt()
+                                    .args(["-F", chain.as_str()])
+                                    .run()
+                                    .await
+                                    .map(|_| ()),
+                            );
+                            note(
+                                Self::ipt()
+                                    .args(["-X", chain.as_str()])
+                                    .run()
+                                    .await
+                                    .map(|_| ()),
+                            );
+                        }
                     }
+                    Err(e) => note(Err(e)),
                 }
-                note(
-                    Self::ipt()
-                        .args(["-F", chain.as_str()])
-                        .run()
-                        .await
-                        .map(|_| ()),
-                );
-                note(
-                    Self::ipt()
-                        .args(["-X", chain.as_str()])
-                        .run()
-                        .await
-                        .map(|_| ()),
-                );
             }
+            // CNI DEL releases the IP lease and deletes the veth pair. Also for a
+            // half-made placement: DEL of what was never added, or of a netns that is
+            // gone, is a no-op for the plugins, and a lease must not outlive its owner.
+            note(self.cni("DEL", &placed.id).run().await.map(|_| ()));
             if placed.netns.is_some() {
-                // CNI DEL releases the IP lease and deletes the veth pair.
-                note(self.cni("DEL", &placed.id).run().await.map(|_| ()));
                 note(
                     Cmd::new("ip")
                         .args(["netns", "delete", placed.id.as_str()])

@@ -408,6 +408,15 @@ async fn a_sandbox_has_no_route_to_the_host_even_with_egress_to_everywhere() {
     h.finish().await;
 }
 
+/// A sandbox id of this test process, for a placement made without an engine.
+fn placement_id() -> String {
+    format!(
+        "{PREFIX}{}-{}",
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    )
+}
+
 fn iptables_lines_mentioning(needles: &[&str]) -> Vec<String> {
     let out = std::process::Command::new("iptables")
         .args(["-w", "5", "-S"])
@@ -516,11 +525,7 @@ async fn release_removes_the_input_jump_of_a_placement_made_by_an_older_agent() 
     use ramify_node_agent::placement::{Placement, PlacementRequest, chain_name};
     let h = harness("legacy-release").await;
     let p = standalone(&h.dir.join("cni-legacy"));
-    let id = format!(
-        "{PREFIX}{}-{}",
-        std::process::id(),
-        &uuid::Uuid::new_v4().simple().to_string()[..10]
-    );
+    let id = placement_id();
     let chain = chain_name(&id);
     let placed = p
         .place(&PlacementRequest {
@@ -633,5 +638,40 @@ async fn a_sandbox_whose_workload_exits_stops_running_and_a_live_one_keeps_runni
     h.destroy_clean(branch).await;
     h.destroy_clean(quitter).await;
     h.destroy_clean(runner).await;
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_of_a_half_made_placement_removes_its_rules_and_frees_its_address() {
+    use ramify_node_agent::placement::{Placement, PlacementRequest, chain_name};
+    let h = harness("half-made").await;
+    let p = standalone(&h.dir.join("cni-half"));
+    let id = placement_id();
+    let chain = chain_name(&id);
+    let mut placed = p
+        .place(&PlacementRequest {
+            id: id.clone(),
+            egress_allow: vec![],
+        })
+        .await
+        .unwrap();
+    let ip = placed.address.as_ref().unwrap().ip.to_string();
+    let lease = std::env::temp_dir()
+        .join("ramify-test/ipam")
+        .join(format!("ramify-{BRIDGE}"))
+        .join(&ip);
+    assert!(lease.exists(), "no lease file {}", lease.display());
+    assert!(!iptables_lines_mentioning(&[&id]).is_empty());
+    // What a crash between placement and the sandbox's record leaves the agent to
+    // clean up from its directory alone: the id, the chain name, the netns, no address.
+    placed.address = None;
+    placed.host_veth = None;
+    p.release(&placed)
+        .await
+        .unwrap_or_else(|e| panic!("release of a half-made placement: {e}"));
+    let left = iptables_lines_mentioning(&[&id, &chain]);
+    assert!(left.is_empty(), "release left {left:#?}");
+    assert!(!lease.exists(), "the address {ip} is still leased");
+    assert!(!Path::new("/run/netns").join(&id).exists());
     h.finish().await;
 }
