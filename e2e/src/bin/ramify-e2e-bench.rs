@@ -365,8 +365,33 @@ async fn main() {
         invalidate.push(ms(gone));
         let reported = watched.until(&format!("{name}-b0"), "verdict", 1, t0).await;
         invalidate_api.push(ms(gone.saturating_sub(reported)));
-        for n in [&cname, &wname, &aname] {
+        for n in [&name, &cname, &wname, &aname] {
             let _ = branchsets.delete(n, &Default::default()).await;
+        }
+        // The next run starts on a quiet node: this run's branches, snapshot and warm
+        // pool (whose refill is 4 restores) gone first, not torn down under it.
+        let t_quiet = Instant::now();
+        loop {
+            let left = sandboxes
+                .list(&ListParams::default())
+                .await
+                .unwrap()
+                .items
+                .len()
+                + snapshots
+                    .list(&ListParams::default())
+                    .await
+                    .unwrap()
+                    .items
+                    .len();
+            if left == 1 {
+                break;
+            }
+            assert!(
+                t_quiet.elapsed() < Duration::from_secs(120),
+                "run {r} was never cleaned up ({left} objects left)"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
