@@ -208,6 +208,37 @@ spec:
 }
 
 #[tokio::test]
+async fn a_loser_whose_command_still_runs_is_gone_as_soon_as_the_winner_commits() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("loser").await;
+    sys.running_workspace().await;
+    sys.apply(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: race
+spec:
+  source: {sandbox: workspace}
+  branches:
+    - name: slow
+      run: ["/bin/sh", "-c", "sleep 600"]
+    - name: quick
+      run: ["/bin/sh", "-c", "echo mode=fast > /work/app.conf"]
+  verdict:
+    command: ["/bin/sh", "-c", "grep -q mode=fast /work/app.conf"]
+  timeoutSeconds: 600
+"#,
+    );
+    let bs = sys.wait_branchset("race", "ended", 120, committed).await;
+    let st = bs.status.unwrap();
+    assert_eq!(st.winner.as_deref(), Some("quick"), "{st:#?}");
+    // The loser's `sleep 600` does not hold its sandbox: it goes now, not in 10 minutes.
+    sys.wait_branches_gone("race", 30).await;
+    assert_eq!(sys.exec("workspace", "cat /work/app.conf").1, "mode=fast");
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
 async fn no_commit_before_the_timeout_leaves_the_parent_untouched() {
     let _serial = SERIAL.lock().await;
     let sys = System::start("timeout").await;

@@ -151,14 +151,21 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
             .await;
     }
 
-    // Act: deletions first (losers go at once), then creations.
-    for sbx in &plan.delete_branches {
-        match sandboxes.delete(sbx, &DeleteParams::background()).await {
-            Ok(_) => debug!(sandbox = %sbx, "deleted branch"),
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(e.into()),
+    // Act: deletions first (losers go at once, all together), then creations.
+    let deletions = plan.delete_branches.iter().map(|sbx| {
+        let sandboxes = &sandboxes;
+        async move {
+            match sandboxes.delete(sbx, &DeleteParams::background()).await {
+                Ok(_) => {
+                    debug!(sandbox = %sbx, "deleted branch");
+                    Ok(())
+                }
+                Err(e) if is_not_found(&e) => Ok(()),
+                Err(e) => Err(e),
+            }
         }
-    }
+    });
+    futures::future::try_join_all(deletions).await?;
     abort_nested(ctx, &ns, &plan.invalidated_parents).await?;
     if let Some(snap) = &plan.create_snapshot {
         create_ignoring_exists(&snapshots, snap).await?;

@@ -72,8 +72,9 @@ pub struct Agent {
     handles: Mutex<HashMap<String, Handle>>,
     /// Warm pools by Snapshot object uid.
     pools: AsyncMutex<HashMap<String, WarmPool>>,
-    /// Branch runs in flight, by Sandbox uid.
-    runners: Mutex<HashSet<String>>,
+    /// Branch runs in flight, by Sandbox uid; `true` sent when the branch is deleted
+    /// (its run and verdict commands are dropped: a loser goes at once).
+    runners: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
     /// Unique per agent process: tells runs this process started from earlier ones.
     epoch: String,
     /// The controllers' watch caches (set by `run`), read before the API server on
@@ -256,7 +257,7 @@ impl Agent {
             recorder,
             handles: Mutex::new(HashMap::new()),
             pools: AsyncMutex::new(HashMap::new()),
-            runners: Mutex::new(HashSet::new()),
+            runners: Mutex::new(HashMap::new()),
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),
             in_flight: Mutex::new(HashMap::new()),
@@ -509,6 +510,13 @@ impl Agent {
     async fn reconcile_mine(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
         let uid = uid.to_string();
         if obj.metadata.deletion_timestamp.is_some() {
+            // A branch run holds the sandbox while its command runs: drop it now, so
+            // a loser is destroyed at once rather than when its command ends.
+            if let Ok(r) = self.runners.lock()
+                && let Some(deleted) = r.get(&uid)
+            {
+                deleted.send_replace(true);
+            }
             match self.take_handle(&uid) {
                 Some(h) => {
                     // Waits for an in-flight exec (a branch run) to release the sandbox.
@@ -874,7 +882,11 @@ impl Agent {
             .as_ref()
             .and_then(|r| r.branch.clone())
             && status.branch.as_ref().and_then(|b| b.verdict).is_none()
-            && !self.runners.lock().map(|r| r.contains(uid)).unwrap_or(true)
+            && !self
+                .runners
+                .lock()
+                .map(|r| r.contains_key(uid))
+                .unwrap_or(true)
         {
             let rec = self.registry.sandbox(uid)?;
             let recorded = rec.as_ref().and_then(|r| r.outcome.clone());
@@ -906,14 +918,21 @@ impl Agent {
         branch: ramify_crds::BranchRef,
         fork_millis: i64,
     ) {
-        if let Ok(mut r) = self.runners.lock()
-            && !r.insert(uid.clone())
-        {
-            return;
+        let (deleted_tx, deleted) = tokio::sync::watch::channel(false);
+        match self.runners.lock() {
+            Ok(mut r) if !r.contains_key(&uid) => {
+                r.insert(uid.clone(), deleted_tx);
+            }
+            _ => return,
         }
         let agent = self.clone();
         tokio::spawn(async move {
-            if let Err(e) = agent.run_branch(&obj, &uid, &branch, fork_millis).await {
+            let ran = agent
+                .run_branch(&obj, &uid, &branch, fork_millis, deleted.clone())
+                .await;
+            if *deleted.borrow() {
+                info!(sandbox = %obj.name_any(), "branch deleted while it ran; its run was dropped");
+            } else if let Err(e) = ran {
                 warn!(error = %e, sandbox = %obj.name_any(), "branch run failed");
                 agent
                     .write_outcome(
@@ -941,6 +960,7 @@ impl Agent {
         uid: &str,
         branch: &ramify_crds::BranchRef,
         fork_millis: i64,
+        mut deleted: tokio::sync::watch::Receiver<bool>,
     ) -> Result<()> {
         let api: Api<BranchSet> =
             Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
@@ -1068,6 +1088,11 @@ impl Agent {
             r = decided => r?,
             (v, why) = watch_file => (None, v, why),
             () = tokio::time::sleep(timeout) => (None, VerdictValue::Abort, format!("no verdict within {}s", timeout.as_secs())),
+            // Deleted (a loser, or its BranchSet went): dropping the run kills its
+            // `runsc exec` and lets go of the sandbox, which is destroyed at once.
+            () = until_deleted(&mut deleted) => {
+                return Err(Error::Invalid("the branch was deleted while it ran".into()));
+            }
         };
         let run_millis = millis(t0.elapsed());
         let diff = if bs.spec.commit.mode == CommitMode::Paths {
@@ -1567,6 +1592,13 @@ impl Agent {
         )
         .await;
         Ok(Action::await_change())
+    }
+}
+
+/// Returns once the branch is marked deleted (never, if nobody can say so any more).
+async fn until_deleted(deleted: &mut tokio::sync::watch::Receiver<bool>) {
+    if deleted.wait_for(|d| *d).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
