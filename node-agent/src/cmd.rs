@@ -47,6 +47,8 @@ pub struct Cmd {
     env: Vec<(OsString, OsString)>,
     max_stdout: usize,
     max_stderr: usize,
+    /// Keep the last `max_*` bytes of each stream instead of failing past them.
+    tail_only: bool,
 }
 
 impl Cmd {
@@ -60,11 +62,22 @@ impl Cmd {
             env: Vec::new(),
             max_stdout: MAX_STDOUT,
             max_stderr: MAX_STDERR,
+            tail_only: false,
         }
     }
 
     /// Lower (or raise) the output caps: a command writing more than `stdout` or
     /// `stderr` bytes is killed and fails with [`Error::OutputTooLarge`].
+    /// Keep only the last `stdout` / `stderr` bytes of each stream, however much the
+    /// command writes (a workload's own command: its output volume is its business,
+    /// the agent's memory is not).
+    pub fn keep_tail(mut self, stdout: usize, stderr: usize) -> Self {
+        self.max_stdout = stdout;
+        self.max_stderr = stderr;
+        self.tail_only = true;
+        self
+    }
+
     pub fn max_output(mut self, stdout: usize, stderr: usize) -> Self {
         self.max_stdout = stdout;
         self.max_stderr = stderr;
@@ -211,8 +224,8 @@ impl Cmd {
             // Both pipes are drained together (a child blocked on a full stderr pipe
             // would never close stdout), each up to its cap, while stdin is fed.
             let (stdout, stderr, ()) = tokio::try_join!(
-                read_capped(out, self.max_stdout, "stdout"),
-                read_capped(err, self.max_stderr, "stderr"),
+                read_capped(out, self.max_stdout, "stdout", self.tail_only),
+                read_capped(err, self.max_stderr, "stderr", self.tail_only),
                 feed,
             )?;
             let status = child.wait().await.map_err(Capped::Io)?;
@@ -297,6 +310,7 @@ async fn read_capped(
     pipe: Option<impl AsyncRead + Unpin>,
     limit: usize,
     stream: &'static str,
+    tail_only: bool,
 ) -> std::result::Result<Vec<u8>, Capped> {
     let mut buf = Vec::new();
     let Some(mut pipe) = pipe else {
@@ -309,7 +323,15 @@ async fn read_capped(
             return Ok(buf);
         }
         if buf.len().saturating_add(n) > limit {
-            return Err(Capped::Over { stream, limit });
+            if !tail_only {
+                return Err(Capped::Over { stream, limit });
+            }
+            // Drop the oldest bytes: what is kept never exceeds `limit`.
+            let keep = &chunk[n.saturating_sub(limit)..n];
+            let drop = (buf.len() + keep.len()).saturating_sub(limit);
+            buf.drain(..drop);
+            buf.extend_from_slice(keep);
+            continue;
         }
         buf.extend_from_slice(&chunk[..n]);
     }
@@ -453,5 +475,27 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(out.code, 4);
+    }
+
+    #[tokio::test]
+    async fn keep_tail_keeps_the_last_bytes_of_any_amount_and_never_fails() {
+        // 3 MiB of numbered lines through a 10 000-byte tail: the end survives, the
+        // start does not, the exit code is the command's.
+        let out = Cmd::new("sh")
+            .args(["-c", "seq 1 400000; echo done >&2; exit 3"])
+            .keep_tail(10_000, 3)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.code, 3);
+        assert_eq!(out.stdout.len(), 10_000);
+        let text = out.stdout_str();
+        assert!(
+            text.ends_with("399999\n400000\n"),
+            "{}",
+            &text[text.len() - 20..]
+        );
+        assert!(!text.contains("\n1000\n"));
+        assert_eq!(out.stderr, b"ne\n");
     }
 }

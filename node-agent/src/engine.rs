@@ -404,6 +404,7 @@ impl Engine {
                 &sb.workload.env,
                 None,
                 self.inner.cfg.exec_timeout,
+                None,
             )
             .await
     }
@@ -743,7 +744,14 @@ impl Engine {
             let out = self
                 .inner
                 .runsc
-                .exec(&parent.ctx, &argv, &[], None, self.inner.cfg.exec_timeout)
+                .exec(
+                    &parent.ctx,
+                    &argv,
+                    &[],
+                    None,
+                    self.inner.cfg.exec_timeout,
+                    None,
+                )
                 .await?;
             let blocked = out.stdout_str();
             if out.code != 0 || !blocked.trim().is_empty() {
@@ -855,7 +863,7 @@ impl Engine {
         let out = self
             .inner
             .runsc
-            .exec(&sb.ctx, argv, &[], stdin, self.inner.cfg.exec_timeout)
+            .exec(&sb.ctx, argv, &[], stdin, self.inner.cfg.exec_timeout, None)
             .await?;
         if out.code != 0 {
             return Err(Error::Sandbox {
@@ -1141,11 +1149,36 @@ impl Engine {
         env: &[(String, String)],
         timeout: Duration,
     ) -> Result<Output> {
+        self.exec_env(sb, argv, env, timeout, None).await
+    }
+
+    /// [`Engine::exec_with`] for a workload's own command (a branch's run or verdict):
+    /// only the last [`RUN_OUTPUT_TAIL`] bytes of each stream are kept, so however
+    /// much it prints, it costs the agent that much memory and never fails for it.
+    pub async fn run_command(
+        &self,
+        sb: &Sandbox,
+        argv: &[String],
+        env: &[(String, String)],
+        timeout: Duration,
+    ) -> Result<Output> {
+        self.exec_env(sb, argv, env, timeout, Some(RUN_OUTPUT_TAIL))
+            .await
+    }
+
+    async fn exec_env(
+        &self,
+        sb: &Sandbox,
+        argv: &[String],
+        env: &[(String, String)],
+        timeout: Duration,
+        tail: Option<usize>,
+    ) -> Result<Output> {
         let mut all = sb.workload.env.clone();
         all.extend(env.iter().cloned());
         self.inner
             .runsc
-            .exec(&sb.ctx, argv, &all, None, timeout)
+            .exec(&sb.ctx, argv, &all, None, timeout, tail)
             .await
     }
 
@@ -1369,6 +1402,9 @@ async fn kill_processes_mentioning(needle: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Bytes of a workload command's stdout and stderr the agent keeps (the tail).
+pub const RUN_OUTPUT_TAIL: usize = 64 << 10;
 
 /// How long claims must pause before a warm pool refills.
 const REFILL_SETTLE: Duration = Duration::from_millis(300);

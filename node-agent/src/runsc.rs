@@ -416,6 +416,7 @@ impl Runsc {
         env: &[(String, String)],
         stdin: Option<&Path>,
         timeout: Duration,
+        tail: Option<usize>,
     ) -> Result<Output> {
         if argv.is_empty() {
             return Err(Error::Invalid("exec needs a command".into()));
@@ -430,6 +431,9 @@ impl Runsc {
         let mut c = self.command(ctx, &sub, false).timeout(timeout);
         if let Some(p) = stdin {
             c = c.stdin_file(p);
+        }
+        if let Some(tail) = tail {
+            c = c.keep_tail(tail, tail);
         }
         c.output().await
     }

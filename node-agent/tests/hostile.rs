@@ -381,3 +381,32 @@ async fn the_control_mount_has_a_quota() {
     h.destroy_clean(sb).await;
     h.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_command_that_prints_without_end_costs_only_its_tail() {
+    use ramify_node_agent::engine::RUN_OUTPUT_TAIL;
+    let h = harness("hostile-chatty").await;
+    let sb = h
+        .start("chatty", "while true; do sleep 1; done", vec![])
+        .await;
+    // 64 MiB on stdout, then the exit code that decides the verdict.
+    let out = h
+        .engine
+        .run_command(
+            &sb,
+            &[
+                "/bin/sh".into(),
+                "-c".into(),
+                "head -c 67108864 /dev/zero; echo last-line; exit 7".into(),
+            ],
+            &[],
+            Duration::from_secs(120),
+        )
+        .await
+        .expect("a chatty command is not an error");
+    assert_eq!(out.code, 7);
+    assert_eq!(out.stdout.len(), RUN_OUTPUT_TAIL);
+    assert!(out.stdout.ends_with(b"last-line\n"));
+    h.destroy_clean(sb).await;
+    h.finish().await;
+}

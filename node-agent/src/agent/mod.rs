@@ -1001,18 +1001,7 @@ impl Agent {
                     let sb = g
                         .as_ref()
                         .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
-                    match self.engine.exec_with(sb, &run, &env, timeout).await {
-                        // A run that floods its output is the branch's failure, not
-                        // the agent's: abort it instead of retrying forever.
-                        Err(Error::OutputTooLarge { stream, limit, .. }) => {
-                            return Ok((
-                                None,
-                                VerdictValue::Abort,
-                                format!("run wrote more than {limit} bytes to {stream}"),
-                            ));
-                        }
-                        r => r?,
-                    }
+                    self.engine.run_command(sb, &run, &env, timeout).await?
                 };
                 exit_code = Some(out.code);
                 if let Some(v) = self.verdict_file(&h).await {
@@ -1038,7 +1027,9 @@ impl Agent {
                     let sb = g
                         .as_ref()
                         .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
-                    self.engine.exec_with(sb, &verdict.command, &env, vt).await
+                    self.engine
+                        .run_command(sb, &verdict.command, &env, vt)
+                        .await
                 };
                 return Ok(match out {
                     Ok(o) if o.code == 0 => (
@@ -1055,11 +1046,6 @@ impl Agent {
                         exit_code,
                         VerdictValue::Abort,
                         format!("verdict command timed out after {seconds}s"),
-                    ),
-                    Err(Error::OutputTooLarge { stream, limit, .. }) => (
-                        exit_code,
-                        VerdictValue::Abort,
-                        format!("verdict command wrote more than {limit} bytes to {stream}"),
                     ),
                     Err(e) => return Err(e),
                 });
