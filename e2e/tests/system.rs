@@ -223,12 +223,33 @@ spec:
     - name: slow
       run: ["/bin/sh", "-c", "sleep 600"]
     - name: quick
-      run: ["/bin/sh", "-c", "echo mode=fast > /work/app.conf"]
+      run: ["/bin/sh", "-c", "until [ -e /tmp/go ]; do sleep 0.1; done; echo mode=fast > /work/app.conf"]
   verdict:
     command: ["/bin/sh", "-c", "grep -q mode=fast /work/app.conf"]
   timeoutSeconds: 600
 "#,
     );
+    let running = |s: &Sandbox| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == SandboxPhase::Running)
+    };
+    sys.wait_sandbox("race-slow", "running", 120, running).await;
+    sys.wait_sandbox("race-quick", "running", 120, running)
+        .await;
+    // A change to the loser while its command runs makes the agent look at it again:
+    // that look must not wait for the command (it would hold up the deletion too).
+    let patch = serde_json::json!({"metadata": {"annotations": {"test/poke": "1"}}});
+    sys.sandboxes()
+        .patch(
+            "race-slow",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    // Only then may the winner finish (a runsc exec later: the agent has seen the poke).
+    assert_eq!(sys.exec("race-quick", "touch /tmp/go").0, 0);
     let bs = sys.wait_branchset("race", "ended", 120, committed).await;
     let st = bs.status.unwrap();
     assert_eq!(st.winner.as_deref(), Some("quick"), "{st:#?}");

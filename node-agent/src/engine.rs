@@ -894,27 +894,38 @@ impl Engine {
         self.destroy(old).await
     }
 
+    /// Stops everything of a sandbox that runs: its sandbox and gofer processes and
+    /// any runsc command of it (their command lines carry the per-sandbox --root).
+    /// Killed directly: `runsc kill` + `delete` cost over a second of polling per
+    /// sandbox and add nothing once they are dead. [`Engine::destroy`] does this first.
+    async fn stop(&self, sb: &Sandbox) {
+        self.forget_proc(&sb.id);
+        // A frozen task cannot die: thaw first (no-op if not frozen or not created).
+        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists() {
+            cgroup::thaw(&sb.placed.cgroups_path).ok();
+        }
+        kill_processes_mentioning(&sb.ctx.root.to_string_lossy()).await;
+    }
+
     /// Abort: kill and remove everything a sandbox owns (processes, runsc state,
     /// netns, iptables, cgroups, files). Keeps going after a failed step and returns
     /// the first error.
     #[instrument(skip(self, sb), fields(id = %sb.id))]
     pub async fn destroy(&self, sb: Sandbox) -> Result<()> {
-        self.forget_proc(&sb.id);
+        self.stop(&sb).await;
         let mut first: Option<Error> = None;
-        // A frozen task cannot die: thaw first (no-op if not frozen or not created).
-        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists() {
-            cgroup::thaw(&sb.placed.cgroups_path).ok();
-        }
-        // SIGKILL the sandbox, gofer and any runsc command of this sandbox directly
-        // (their command lines carry the per-sandbox --root): `runsc kill` + `delete`
-        // cost over a second of polling per sandbox and add nothing once they are dead.
-        kill_processes_mentioning(&sb.ctx.root.to_string_lossy()).await;
         if let Err(e) = std::fs::remove_dir_all(&sb.ctx.root)
             && e.kind() != std::io::ErrorKind::NotFound
         {
             first.get_or_insert(Error::io("remove runsc root", &sb.ctx.root, e));
         }
-        if let Err(e) = cgroup::remove(&sb.placed.cgroups_path) {
+        // Removal retries while the killed tasks leave: not on an async worker.
+        let cg = sb.placed.cgroups_path.clone();
+        let removed = tokio::task::spawn_blocking(move || cgroup::remove(&cg))
+            .await
+            .map_err(|e| Error::Join(e.to_string()))
+            .and_then(|r| r);
+        if let Err(e) = removed {
             warn!(error = %e, "cgroup removal");
             first.get_or_insert(e);
         }

@@ -523,6 +523,7 @@ impl Agent {
                     let taken = h.lock().await.take();
                     match taken {
                         Some(sb) => {
+                            // The object goes only once the node holds nothing of it.
                             info!(id = %sb.id, "destroying deleted sandbox");
                             self.engine.destroy(sb).await?;
                         }
@@ -831,7 +832,12 @@ impl Agent {
         uid: &str,
         h: Handle,
     ) -> Result<Action> {
-        let guard = h.lock().await;
+        // Held by a branch's run or verdict command (or a commit): the sandbox is in
+        // use, so look again later. Waiting here would hold up this sandbox's next
+        // reconcile (its deletion among them) for as long as the command runs.
+        let Ok(guard) = h.try_lock() else {
+            return Ok(Action::requeue(Duration::from_secs(2)));
+        };
         let Some(sb) = guard.as_ref() else {
             return Ok(Action::await_change());
         };
