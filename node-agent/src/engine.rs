@@ -114,8 +114,9 @@ struct Inner {
     generation: AtomicU64,
     /// Every sandbox id this engine handed out (diagnostics: what to check for leaks).
     issued: Mutex<Vec<String>>,
-    /// Sandbox process (pid, start time) by sandbox id, as `runsc state` last reported
-    /// it running: while that process lives, the sandbox runs (see [`Engine::is_running`]).
+    /// Sandbox process (pid, start time) by sandbox id, from the pid file `runsc run` or
+    /// `restore` wrote or from `runsc state`: while that process lives, the sandbox
+    /// runs (see [`Engine::is_running`]).
     sandbox_procs: Mutex<HashMap<String, (i32, u64)>>,
 }
 

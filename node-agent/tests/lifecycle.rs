@@ -603,6 +603,16 @@ async fn a_sandbox_whose_workload_exits_stops_running_and_a_live_one_keeps_runni
         ramify_node_agent::runsc::Runsc::sandbox_pid(quitter.ctx()),
         Some(pid)
     );
+    // ...and its command line names the sandbox (what the agent checks before trusting
+    // a pid file).
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        cmdline
+            .windows(quitter.id.len())
+            .any(|w| w == quitter.id.as_bytes()),
+        "{}",
+        String::from_utf8_lossy(&cmdline)
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while h.engine.is_running(&quitter).await.unwrap() {
         assert!(

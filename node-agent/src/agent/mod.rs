@@ -519,7 +519,8 @@ impl Agent {
             }
             match self.take_handle(&uid) {
                 Some(h) => {
-                    // Waits for an in-flight exec (a branch run) to release the sandbox.
+                    // A branch run lets go of it at once (dropped above); a commit in
+                    // progress is waited for.
                     let taken = h.lock().await.take();
                     match taken {
                         Some(sb) => {
