@@ -312,17 +312,24 @@ async fn release_next_effect(
         return Ok(None);
     };
     let mut st = status.clone();
-    let mut rv = resource_version;
-    if next.state == ramify_crds::EffectState::Released {
-        set_effect(
-            &mut st,
-            &next.id,
-            ramify_crds::EffectState::Executing,
-            "handed to the executor".into(),
-            None,
-        );
-        rv = write_status(ctx, bs, rv, &st).await?;
-    }
+    // Claim it first with a write guarded by the resourceVersion this reconcile read,
+    // on a retry too: a stale read (the watch cache trailing this operator's own last
+    // write, which said Executed) then conflicts here, before anything runs, instead
+    // of running the effect a second time. The message changes on every attempt, so
+    // the claim is always a real write.
+    let claim = if next.state == ramify_crds::EffectState::Released {
+        "handed to the executor"
+    } else {
+        "handed to the executor again"
+    };
+    set_effect(
+        &mut st,
+        &next.id,
+        ramify_crds::EffectState::Executing,
+        claim.into(),
+        None,
+    );
+    let rv = write_status(ctx, bs, resource_version, &st).await?;
     let outcome = crate::effects::execute(&ctx.client, bs, &executor, &next).await;
     let (state, message, job, requeue) = match outcome {
         crate::effects::Outcome::Executed { message, job } => (
