@@ -161,6 +161,14 @@ impl System {
         }
     }
 
+    /// Sandboxes and Snapshots still in the test namespace.
+    pub async fn objects_left(&self) -> usize {
+        let snaps: Api<ramify_crds::Snapshot> = Api::namespaced(self.client.clone(), &self.ns.name);
+        let lp = ListParams::default();
+        self.sandboxes().list(&lp).await.unwrap().items.len()
+            + snaps.list(&lp).await.unwrap().items.len()
+    }
+
     pub fn apply(&self, yaml: &str) {
         let out = self
             .cp
@@ -332,19 +340,7 @@ spec:
         let _ = snaps.delete_collection(&dp, &ListParams::default()).await;
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let left = self
-                .sandboxes()
-                .list(&ListParams::default())
-                .await
-                .unwrap()
-                .items
-                .len()
-                + snaps
-                    .list(&ListParams::default())
-                    .await
-                    .unwrap()
-                    .items
-                    .len();
+            let left = self.objects_left().await;
             if left == 0 {
                 break;
             }

@@ -895,26 +895,21 @@ impl Engine {
         self.destroy(old).await
     }
 
-    /// Stops everything of a sandbox that runs: its sandbox and gofer processes and
-    /// any runsc command of it (their command lines carry the per-sandbox --root).
-    /// Killed directly: `runsc kill` + `delete` cost over a second of polling per
-    /// sandbox and add nothing once they are dead. [`Engine::destroy`] does this first.
-    async fn stop(&self, sb: &Sandbox) {
-        self.forget_proc(&sb.id);
-        // A frozen task cannot die: thaw first (no-op if not frozen or not created).
-        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists() {
-            cgroup::thaw(&sb.placed.cgroups_path).ok();
-        }
-        kill_processes_mentioning(&sb.ctx.root.to_string_lossy()).await;
-    }
-
     /// Abort: kill and remove everything a sandbox owns (processes, runsc state,
     /// netns, iptables, cgroups, files). Keeps going after a failed step and returns
     /// the first error.
     #[instrument(skip(self, sb), fields(id = %sb.id))]
     pub async fn destroy(&self, sb: Sandbox) -> Result<()> {
-        self.stop(&sb).await;
+        self.forget_proc(&sb.id);
         let mut first: Option<Error> = None;
+        // A frozen task cannot die: thaw first (no-op if not frozen or not created).
+        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists() {
+            cgroup::thaw(&sb.placed.cgroups_path).ok();
+        }
+        // SIGKILL the sandbox, gofer and any runsc command of this sandbox directly
+        // (their command lines carry the per-sandbox --root): `runsc kill` + `delete`
+        // cost over a second of polling per sandbox and add nothing once they are dead.
+        kill_processes_mentioning(&sb.ctx.root.to_string_lossy()).await;
         if let Err(e) = std::fs::remove_dir_all(&sb.ctx.root)
             && e.kind() != std::io::ErrorKind::NotFound
         {

@@ -111,6 +111,17 @@ pub struct Standalone {
     netconf: PathBuf,
 }
 
+/// The command that deletes a rule as `iptables -S` lists it (`-A CHAIN spec...`);
+/// `None` for lines that are not rules. Ours carry no spaces inside quotes.
+pub(crate) fn delete_listed_rule(line: &str) -> Option<Cmd> {
+    let rule = line.strip_prefix("-A ")?;
+    Some(
+        Cmd::new("iptables")
+            .args(["-w", "5", "-D"])
+            .args(rule.split_whitespace().map(|w| w.trim_matches('"'))),
+    )
+}
+
 /// iptables chain name for a sandbox: short (<= 28 chars) and stable.
 pub fn chain_name(id: &str) -> String {
     let h = Sha256::digest(id.as_bytes());
@@ -444,11 +455,9 @@ impl Placement for Standalone {
                         let listing = listing.stdout_str();
                         let tag = format!("\"ramify:{}\"", placed.id);
                         for line in listing.lines().filter(|l| l.contains(&tag)) {
-                            let Some(rule) = line.strip_prefix("-A ") else {
-                                continue;
-                            };
-                            let rule = rule.split_whitespace().map(|w| w.trim_matches('"'));
-                            note(Self::ipt().arg("-D").args(rule).run().await.map(|_| ()));
+                            if let Some(delete) = delete_listed_rule(line) {
+                                note(delete.run().await.map(|_| ()));
+                            }
                         }
                         if listing.lines().any(|l| l == format!("-N {chain}")) {
                             note(

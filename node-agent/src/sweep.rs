@@ -93,31 +93,19 @@ pub async fn sweep_orphans(prefix: &str, cgroup_parent: &str) -> Vec<String> {
     // iptables jumps (tagged with a comment holding the id) and their chains.
     if let Ok(o) = Cmd::new("iptables").args(["-w", "5", "-S"]).run().await {
         for line in o.stdout_str().lines() {
-            let Some(rule) = line.strip_prefix("-A ") else {
-                continue;
-            };
             let ids = ids_in(line, prefix);
             if !ids.iter().any(|i| orphan(i, prefix)) || !line.contains("--comment") {
                 continue;
             }
-            let args: Vec<String> = std::iter::once("-D".to_string())
-                .chain(
-                    rule.split_whitespace()
-                        .map(|s| s.trim_matches('"').to_string()),
-                )
-                .collect();
-            let chain = args
-                .iter()
-                .position(|a| a == "-j")
-                .and_then(|p| args.get(p + 1))
-                .cloned();
-            if Cmd::new("iptables")
-                .args(["-w", "5"])
-                .args(args)
-                .run()
-                .await
-                .is_ok()
-            {
+            let Some(delete) = crate::placement::delete_listed_rule(line) else {
+                continue;
+            };
+            let chain = line
+                .split_whitespace()
+                .skip_while(|w| *w != "-j")
+                .nth(1)
+                .map(str::to_string);
+            if delete.run().await.is_ok() {
                 removed.push(format!("iptables rule {line}"));
             }
             if let Some(chain) = chain.filter(|c| c.starts_with("RAMIFY-")) {

@@ -254,14 +254,17 @@ async fn main() {
         let pool_full = |drained: bool| {
             let (snapshots, snap) = (snapshots.clone(), snap.clone());
             async move {
-                let t_drop = Instant::now();
-                while drained && t_drop.elapsed() < Duration::from_secs(10) {
-                    let s = snapshots
+                let status = || async {
+                    snapshots
                         .get(&snap)
                         .await
                         .unwrap()
                         .status
-                        .unwrap_or_default();
+                        .unwrap_or_default()
+                };
+                let t_drop = Instant::now();
+                while drained && t_drop.elapsed() < Duration::from_secs(10) {
+                    let s = status().await;
                     if s.warm.as_ref().is_none_or(|w| w.ready < 4) {
                         break;
                     }
@@ -269,12 +272,7 @@ async fn main() {
                 }
                 let t_pool = Instant::now();
                 loop {
-                    let s = snapshots
-                        .get(&snap)
-                        .await
-                        .unwrap()
-                        .status
-                        .unwrap_or_default();
+                    let s = status().await;
                     if s.phase == SnapshotPhase::Ready
                         && s.warm.as_ref().is_some_and(|w| w.ready >= 4)
                     {
@@ -372,18 +370,8 @@ async fn main() {
         // pool (whose refill is 4 restores) gone first, not torn down under it.
         let t_quiet = Instant::now();
         loop {
-            let left = sandboxes
-                .list(&ListParams::default())
-                .await
-                .unwrap()
-                .items
-                .len()
-                + snapshots
-                    .list(&ListParams::default())
-                    .await
-                    .unwrap()
-                    .items
-                    .len();
+            // The workspace stays.
+            let left = sys.objects_left().await;
             if left == 1 {
                 break;
             }
