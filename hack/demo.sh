@@ -1,16 +1,48 @@
 #!/usr/bin/env bash
 # The embedded default: a local control plane, the ramify operator and one node agent
 # (standalone mode, real runsc), then a live sandbox forked three ways and the winner
-# committed. `hack/demo.sh down` stops everything and removes its state.
+# committed. `hack/demo.sh down` stops everything and removes its state;
+# `hack/demo.sh config` prints what this demo owns (directories, ports, network, cgroup).
+#
+# A second demo beside a running one (what `make test` runs) sets RAMIFY_DEMO_DIR and
+# gets its own state, control plane directory, agent state, metrics ports, bridge,
+# subnet and cgroup parent, so neither its start nor its `down` touches the first:
+#   RAMIFY_DEMO_DIR          state directory (pid files, logs); default .ramify/demo
+#   RAMIFY_CP_DIR            control plane directory; default .ramify/controlplane, or
+#                            $RAMIFY_DEMO_DIR/controlplane when RAMIFY_DEMO_DIR is set
+#   RAMIFY_CP_PORT_BASE      control plane ports (hack/controlplane/up.sh)
+#   RAMIFY_DEMO_METRICS_PORT operator metrics port; the agent's is the next one (18080)
+#   RAMIFY_DEMO_BRIDGE, RAMIFY_DEMO_SUBNET, RAMIFY_DEMO_CGROUP_PARENT
+#                            sandbox network and cgroup parent (ramify0, 10.88.0.0/16, /ramify)
+# The busybox root file system the sample names is shared, read-only (it is only
+# written when missing or different).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-state="$repo/.ramify/demo"
-export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$repo/.ramify/controlplane}"
+if [[ -n "${RAMIFY_DEMO_DIR:-}" ]]; then
+  state="$RAMIFY_DEMO_DIR"
+  export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$state/controlplane}"
+  agent_state="$state/agent"
+else
+  state="$repo/.ramify/demo"
+  export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$repo/.ramify/controlplane}"
+  agent_state="/var/lib/ramify/demo-agent"
+fi
+operator_metrics="127.0.0.1:${RAMIFY_DEMO_METRICS_PORT:-18080}"
+agent_metrics="127.0.0.1:$(( ${RAMIFY_DEMO_METRICS_PORT:-18080} + 1 ))"
+bridge="${RAMIFY_DEMO_BRIDGE:-ramify0}"
+subnet="${RAMIFY_DEMO_SUBNET:-10.88.0.0/16}"
+cgroup_parent="${RAMIFY_DEMO_CGROUP_PARENT:-/ramify}"
 node="$(hostname)"
-agent_state="/var/lib/ramify/demo-agent"
 rootfs="/var/lib/ramify/rootfs/busybox"
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+if [[ "${1:-}" == "config" ]]; then
+  printf 'state %s\ncontrolplane %s\ncontrolplane-ports %s\nagent-state %s\noperator-metrics %s\nagent-metrics %s\nbridge %s\nsubnet %s\ncgroup-parent %s\n' \
+    "$state" "$RAMIFY_CP_DIR" "${RAMIFY_CP_PORT_BASE:-16440}" "$agent_state" "$operator_metrics" \
+    "$agent_metrics" "$bridge" "$subnet" "$cgroup_parent"
+  exit 0
+fi
 
 stop_pid() {
   local f="$state/$1.pid"
@@ -56,14 +88,18 @@ kubectl wait --for condition=Established crd/sandboxes.ramify.dev crd/snapshots.
 kubectl create namespace ramify-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 
 say "preparing a busybox root file system at $rootfs"
-target/debug/ramify-node-agent rootfs --out "$rootfs" >/dev/null
+# Another demo's sandboxes may run on it: write it only when it is missing or differs.
+if ! cmp -s /bin/busybox "$rootfs/bin/busybox"; then
+  target/debug/ramify-node-agent rootfs --out "$rootfs" >/dev/null
+fi
 
 say "starting the operator and the node agent ($node)"
 stop_pid operator; stop_pid node-agent
-setsid target/debug/ramify-operator --metrics-addr 127.0.0.1:18080 >"$state/operator.log" 2>&1 </dev/null &
+setsid target/debug/ramify-operator --metrics-addr "$operator_metrics" >"$state/operator.log" 2>&1 </dev/null &
 echo $! >"$state/operator.pid"
 setsid target/debug/ramify-node-agent --runsc "$runsc_bin" run --node-name "$node" --state-dir "$agent_state" \
-  --metrics-addr 127.0.0.1:18081 >"$state/node-agent.log" 2>&1 </dev/null &
+  --metrics-addr "$agent_metrics" --bridge "$bridge" --subnet "$subnet" --cgroup-parent "$cgroup_parent" \
+  >"$state/node-agent.log" 2>&1 </dev/null &
 echo $! >"$state/node-agent.pid"
 
 say "a live workspace: counting in memory, config on disk (config/samples/sandbox.yaml)"

@@ -49,16 +49,26 @@ cargo test -p ramify-e2e --locked --test faults -- --nocapture 2>&1 | grep -v '^
 step "node agent again on the current runsc ($("$current_runsc" --version | head -1))"
 RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --include-ignored 2>&1 | tee -a "$results"
 
-# Its own ports, so a demo already running on this machine does not collide.
-step "the demo end to end (make demo), checked for a committed winner"
+# Its own state, control plane, ports, network and cgroup parent: a `make demo` already
+# running on this machine neither collides with it nor is stopped by its `down`.
+step "the demo end to end (make demo), beside any running demo, checked for a committed winner"
+test_demo() {
+  env RAMIFY_DEMO_DIR="$repo/.ramify/test-demo" RAMIFY_CP_DIR="$repo/.ramify/test-demo/controlplane" \
+    RAMIFY_CP_PORT_BASE=16640 RAMIFY_DEMO_METRICS_PORT=18180 RAMIFY_DEMO_BRIDGE=rmytdemo0 \
+    RAMIFY_DEMO_SUBNET=10.90.0.0/16 RAMIFY_DEMO_CGROUP_PARENT=/ramify-test-demo hack/demo.sh "$@"
+}
+# Nothing the user's demo owns is the test demo's (the shared rootfs is only read).
+shared="$(comm -12 <(env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh config | cut -d' ' -f2 | sort) \
+  <(test_demo config | cut -d' ' -f2 | sort))"
+[[ -z "$shared" ]] || { echo "the test's demo shares with a user's demo: $shared" >&2; exit 1; }
 demo_log="$(mktemp)"
-if ! env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh >"$demo_log" 2>&1; then
-  cat "$demo_log"; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1
+if ! test_demo >"$demo_log" 2>&1; then
+  cat "$demo_log"; test_demo down || true; exit 1
 fi
 tail -n 12 "$demo_log"
-grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1; }
-grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1; }
-env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down
+grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; test_demo down || true; exit 1; }
+grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; test_demo down || true; exit 1; }
+test_demo down
 echo "test result: ok. 1 passed; 0 failed; 0 ignored (make demo)" >>"$results"
 
 # One closing line for the whole run.
