@@ -3,11 +3,13 @@
 
 pub mod branchset;
 pub mod common;
+pub mod platform;
 pub mod sandbox;
 pub mod snapshot;
 
 pub use branchset::*;
 pub use common::*;
+pub use platform::*;
 pub use sandbox::*;
 pub use snapshot::*;
 

@@ -113,6 +113,11 @@ pub struct SnapshotStatus {
     /// runsc version string that captured the image; restores need the same one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runsc_version: Option<String>,
+    /// gVisor platform the image was captured on (`systrap`, `ptrace` or `kvm`). A
+    /// ptrace image restores on systrap; a systrap image is refused on ptrace (reason
+    /// `PlatformMismatch`): its processes would die at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
     /// Wall time of the capture in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capture_millis: Option<i64>,

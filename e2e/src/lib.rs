@@ -314,6 +314,14 @@ impl Component {
         Ok(())
     }
 
+    /// Sets `flag` to `value` for its next start, in place of any value it had.
+    pub fn set_flag(&mut self, flag: &str, value: &str) {
+        if let Some(i) = self.args.iter().position(|a| a == flag) {
+            self.args.drain(i..(i + 2).min(self.args.len()));
+        }
+        self.args.extend([flag.to_string(), value.to_string()]);
+    }
+
     /// SIGKILLs it: no clean shutdown, as a crash or an OOM kill would.
     pub fn kill(&mut self) -> Result<(), HarnessError> {
         if let Some(mut c) = self.child.take() {

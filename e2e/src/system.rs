@@ -24,6 +24,10 @@ pub struct System {
     pub state_dir: PathBuf,
     pub runsc: PathBuf,
     pub rootfs: PathBuf,
+    /// The node agent's node name (its Lease is `ramify-node-<node>`).
+    pub node: String,
+    /// Namespace of the node Lease.
+    pub system_namespace: String,
     /// Names this system's cgroup parent (`/ramify-e2e-<suffix>`).
     suffix: String,
     /// The e2e bridge's iptables rules from before this system started.
@@ -125,7 +129,7 @@ impl System {
                 runsc.to_string_lossy().into_owned(),
                 "run".into(),
                 "--node-name".into(),
-                node,
+                node.clone(),
                 "--system-namespace".into(),
                 system_ns.name.clone(),
                 "--state-dir".into(),
@@ -156,8 +160,91 @@ impl System {
             state_dir,
             runsc,
             rootfs,
+            node,
+            system_namespace: system_ns.name.clone(),
             suffix: suffix.to_string(),
             iptables_before,
+        }
+    }
+
+    /// Restarts the node agent (SIGKILL, then start) with `flag` set to `value`: e.g.
+    /// `("--platform", "ptrace")`.
+    pub fn restart_agent_with(&mut self, flag: &str, value: &str) {
+        self.agent.kill().unwrap();
+        self.agent.set_flag(flag, value);
+        self.agent.start().unwrap();
+    }
+
+    /// The node agent's Lease annotation `key`, once the agent wrote one whose value
+    /// satisfies `want` (within `secs`).
+    pub async fn lease_annotation(
+        &self,
+        key: &str,
+        secs: u64,
+        want: impl Fn(&str) -> bool,
+    ) -> String {
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+            Api::namespaced(self.client.clone(), &self.system_namespace);
+        let name = format!("ramify-node-{}", self.node);
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let got = leases
+                .get_opt(&name)
+                .await
+                .unwrap()
+                .and_then(|l| l.metadata.annotations)
+                .and_then(|a| a.get(key).cloned());
+            if let Some(v) = got.filter(|v| want(v)) {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "lease {name}: no fitting {key} within {secs}s\n{}",
+                self.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// A busybox Sandbox of this system's rootfs running `script` (`sh -c`), with
+    /// `resources` (a flow mapping such as `{cpu: 500m, memory: 256Mi}`; empty: none).
+    pub fn sandbox_yaml(&self, name: &str, script: &str, resources: &str) -> String {
+        let resources = if resources.is_empty() {
+            String::new()
+        } else {
+            format!("  resources: {resources}\n")
+        };
+        format!(
+            "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  rootfs: {{path: {}}}\n  command: [\"/bin/sh\", \"-c\", {script:?}]\n  env: [{{name: PATH, value: /bin}}]\n{resources}",
+            self.rootfs.display()
+        )
+    }
+
+    /// The Event published about `name` with `reason` (waits up to 30 s for it).
+    pub async fn event(&self, name: &str, reason: &str) -> k8s_openapi::api::events::v1::Event {
+        let events: Api<k8s_openapi::api::events::v1::Event> =
+            Api::namespaced(self.client.clone(), &self.ns.name);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let found = events
+                .list(&ListParams::default())
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                        && e.reason.as_deref() == Some(reason)
+                });
+            if let Some(e) = found {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {reason} Event about {name}\n{}",
+                self.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 

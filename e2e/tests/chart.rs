@@ -167,7 +167,7 @@ fn schema_rejects_bad_values_with_the_key_named() {
         ),
         (
             "agent.platform=firecracker",
-            "at '/agent/platform': value must be one of 'systrap', 'ptrace', 'kvm'",
+            "at '/agent/platform': value must be one of 'auto', 'systrap', 'ptrace', 'kvm'",
         ),
         ("agent.stateDir=var/lib/ramify", "at '/agent/stateDir'"),
         (
@@ -260,7 +260,7 @@ fn defaults_render_the_documented_deployment() {
         "--system-namespace=ramify-system",
         "--state-dir=/var/lib/ramify",
         "--metrics-addr=0.0.0.0:8081",
-        "--platform=systrap",
+        "--platform=auto",
         "--mode=cluster",
     ] {
         assert!(args.contains(&want), "agent args lack {want}: {args:?}");
@@ -349,6 +349,31 @@ fn defaults_render_the_documented_deployment() {
     }
     assert!(!objs.iter().any(|o| o["kind"] == "ServiceMonitor"));
     find(&objs, "PodDisruptionBudget", "ramify-operator");
+}
+
+/// `agent.platform` reaches the agent's `--platform` (default `auto`: the agent probes
+/// systrap at its start), and each platform the agent knows renders.
+#[test]
+fn agent_platform_is_a_value() {
+    for platform in ["auto", "systrap", "ptrace", "kvm"] {
+        let objs = objects(&template(
+            "ramify",
+            "ramify-system",
+            &["--set", &format!("agent.platform={platform}")],
+        ));
+        let ds = find(&objs, "DaemonSet", "ramify-node-agent");
+        let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+        let want = format!("--platform={platform}");
+        assert!(
+            args.contains(&want.as_str()),
+            "agent args lack {want}: {args:?}"
+        );
+        assert_eq!(
+            args.iter().filter(|a| a.starts_with("--platform")).count(),
+            1,
+            "{args:?}"
+        );
+    }
 }
 
 /// `serviceMonitor.enabled=true` adds one ServiceMonitor over both metrics Services (the

@@ -500,6 +500,7 @@ impl Engine {
         let meta = SnapshotMeta {
             id: snap_id.clone(),
             runsc_version: self.inner.runsc.version().into(),
+            platform: Some(self.inner.runsc.platform().platform.as_str().into()),
             created_unix_ms: now_ms(),
             expires_unix_ms: SnapshotStore::expiry(ttl),
             files: vec![],
@@ -1143,9 +1144,11 @@ impl Engine {
     async fn verified_image(&self, snapshot: &str) -> Result<(SnapshotMeta, PathBuf)> {
         let store = self.inner.store.clone();
         let (id, version) = (snapshot.to_string(), self.inner.runsc.version().to_string());
-        tokio::task::spawn_blocking(move || store.verify(&id, &version))
+        let (meta, img) = tokio::task::spawn_blocking(move || store.verify(&id, &version))
             .await
-            .map_err(|e| Error::Join(e.to_string()))?
+            .map_err(|e| Error::Join(e.to_string()))??;
+        crate::platform::check_restore(&meta, self.inner.runsc.platform().platform)?;
+        Ok((meta, img))
     }
 
     /// Run a command with extra environment (on top of the workload's) and a timeout.

@@ -50,6 +50,15 @@ pub enum Error {
         captured: String,
         current: String,
     },
+    #[error(
+        "snapshot {id} was captured on the {captured} platform and this node runs {current}: {reason}"
+    )]
+    PlatformMismatch {
+        id: String,
+        captured: String,
+        current: String,
+        reason: String,
+    },
     #[error("snapshot {id}: image file {file} is corrupt (sha256 {actual}, expected {expected})")]
     CorruptImage {
         id: String,

@@ -5,6 +5,7 @@
 //! - [`engine`]: start, exec, snapshot, fork, warm pools, commit (Full/Paths), abort.
 //! - [`control`]: the `/run/ramify` control mount, parsed defensively.
 //! - [`store`]: snapshot images with sha256, version pinning and TTL.
+//! - [`platform`]: the gVisor platform (`auto` probes systrap) and which images restore where.
 
 pub mod agent;
 pub mod cgroup;
@@ -14,6 +15,7 @@ pub mod diff;
 pub mod engine;
 pub mod error;
 pub mod placement;
+pub mod platform;
 pub mod rootfs;
 pub mod runsc;
 pub mod spec;

@@ -18,7 +18,7 @@ use ramify_node_agent::placement::{Standalone, StandaloneConfig};
 use ramify_node_agent::runsc::{Runsc, RunscConfig};
 use ramify_node_agent::store::SnapshotStore;
 use ramify_node_agent::{Engine, EngineConfig};
-use tracing::error;
+use tracing::{error, info};
 
 #[derive(Parser)]
 #[command(version, about = "ramify node agent")]
@@ -26,8 +26,9 @@ struct Cli {
     /// runsc binary (its version string is recorded with every snapshot).
     #[arg(long, env = "RAMIFY_RUNSC", default_value = "runsc", global = true)]
     runsc: PathBuf,
-    /// gVisor platform: ptrace, systrap or kvm.
-    #[arg(long, env = "RAMIFY_PLATFORM", default_value = "ptrace", global = true)]
+    /// gVisor platform: auto (a probe sandbox at start-up: systrap when it works with
+    /// this runsc, else ptrace), systrap, ptrace or kvm.
+    #[arg(long, env = "RAMIFY_PLATFORM", default_value = "auto", global = true)]
     platform: String,
     #[command(subcommand)]
     cmd: Command,
@@ -297,9 +298,12 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some("node".into()),
             )
             .await?;
+            let platform = engine.runsc().platform().clone();
             let settings = AgentSettings {
                 runsc: std::fs::canonicalize(&cli.runsc).unwrap_or_else(|_| cli.runsc.clone()),
-                platform: cli.platform.clone(),
+                // What the sandboxes run on, not `auto`: the local subcommands must not
+                // decide again (and maybe differently).
+                platform: platform.platform.as_str().into(),
                 bridge: bridge.clone(),
                 subnet: subnet.clone(),
                 cgroup_parent: cgroup_parent.clone(),
@@ -311,6 +315,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let client = kube::Client::try_default().await?;
             let version = agent::short_version(engine.runsc().version()).to_string();
             let metrics = AgentMetrics::new(&version);
+            metrics.set_platform(&platform);
+            info!(platform = platform.platform.as_str(), requested = platform.requested.as_str(), reason = %platform.reason, "gVisor platform");
             let health = ramify_runtime::Health::default();
             tokio::spawn({
                 let (registry, h) = (metrics.registry.clone(), health.clone());
@@ -325,6 +331,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 node: node_name.clone(),
                 capacity,
                 runsc_version: version,
+                platform: platform.platform.as_str().into(),
                 duration: Duration::from_secs(15),
             };
             lease::renew(&client, &announcement).await?;
@@ -406,6 +413,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             })
             .await?;
             println!("{:#?}", r.caps());
+            let p = r.platform();
+            println!("platform: {} ({})", p.platform.as_str(), p.reason);
             Ok(ExitCode::SUCCESS)
         }
         Command::Sweep {

@@ -11,11 +11,15 @@ use tracing::{debug, instrument};
 
 use crate::cmd::{Cmd, Output};
 use crate::error::{Error, Result};
+use crate::platform::PlatformDecision;
 
-/// gVisor platform. ptrace works everywhere; kvm needs /dev/kvm (hangs in nested VMs).
+/// gVisor platform. ptrace works everywhere; systrap needs a runsc from mid-2023 on;
+/// kvm needs /dev/kvm (hangs in nested VMs). `Auto` is resolved at start-up by a probe
+/// sandbox ([`crate::platform::resolve`]) and never reaches runsc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Platform {
     #[default]
+    Auto,
     Ptrace,
     Kvm,
     Systrap,
@@ -24,6 +28,7 @@ pub enum Platform {
 impl Platform {
     pub fn as_str(self) -> &'static str {
         match self {
+            Platform::Auto => "auto",
             Platform::Ptrace => "ptrace",
             Platform::Kvm => "kvm",
             Platform::Systrap => "systrap",
@@ -35,10 +40,13 @@ impl std::str::FromStr for Platform {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s {
+            "auto" => Ok(Platform::Auto),
             "ptrace" => Ok(Platform::Ptrace),
             "kvm" => Ok(Platform::Kvm),
             "systrap" => Ok(Platform::Systrap),
-            other => Err(Error::Invalid(format!("unknown platform {other:?}"))),
+            other => Err(Error::Invalid(format!(
+                "unknown platform {other:?}: auto, systrap, ptrace or kvm"
+            ))),
         }
     }
 }
@@ -188,6 +196,7 @@ pub struct RunscState {
 #[derive(Debug, Clone)]
 pub struct RunscConfig {
     pub binary: PathBuf,
+    /// What to run sandboxes on; `Auto` probes systrap at start-up.
     pub platform: Platform,
     /// Directory for runsc debug logs (one file per command), if wanted.
     pub debug_log_dir: Option<PathBuf>,
@@ -199,7 +208,7 @@ impl Default for RunscConfig {
     fn default() -> Self {
         RunscConfig {
             binary: PathBuf::from("runsc"),
-            platform: Platform::Ptrace,
+            platform: Platform::Auto,
             debug_log_dir: None,
             force_leave_running: None,
         }
@@ -210,6 +219,7 @@ impl Default for RunscConfig {
 pub struct Runsc {
     cfg: RunscConfig,
     caps: RunscCaps,
+    platform: PlatformDecision,
 }
 
 impl Runsc {
@@ -242,8 +252,13 @@ impl Runsc {
         if let Some(f) = cfg.force_leave_running {
             caps.leave_running = f && caps.leave_running_flag;
         }
-        debug!(?caps, "runsc detected");
-        Ok(Runsc { cfg, caps })
+        let platform = crate::platform::resolve(&cfg.binary, cfg.platform).await?;
+        debug!(?caps, ?platform, "runsc detected");
+        Ok(Runsc {
+            cfg,
+            caps,
+            platform,
+        })
     }
 
     pub fn caps(&self) -> &RunscCaps {
@@ -252,6 +267,11 @@ impl Runsc {
 
     pub fn version(&self) -> &str {
         &self.caps.version
+    }
+
+    /// The platform sandboxes run on (resolved: never `Auto`) and why.
+    pub fn platform(&self) -> &PlatformDecision {
+        &self.platform
     }
 
     pub fn binary(&self) -> &Path {
@@ -263,7 +283,7 @@ impl Runsc {
         let mut a: Vec<OsString> = vec![
             self.cfg.binary.clone().into_os_string(),
             format!("--root={}", ctx.root.display()).into(),
-            format!("--platform={}", self.cfg.platform.as_str()).into(),
+            format!("--platform={}", self.platform.platform.as_str()).into(),
             format!("--network={}", ctx.network.as_str()).into(),
         ];
         match self.caps.overlay {

@@ -35,6 +35,10 @@ pub struct ImageFile {
 pub struct SnapshotMeta {
     pub id: String,
     pub runsc_version: String,
+    /// gVisor platform it was captured on (`systrap`, `ptrace`); absent in images
+    /// recorded before platforms were (those ran on ptrace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
     pub created_unix_ms: u64,
     pub expires_unix_ms: Option<u64>,
     pub files: Vec<ImageFile>,
@@ -411,6 +415,7 @@ mod tests {
         SnapshotMeta {
             id: id.into(),
             runsc_version: "runsc version test".into(),
+            platform: None,
             created_unix_ms: now_ms(),
             expires_unix_ms: SnapshotStore::expiry(ttl),
             files: vec![],

@@ -628,6 +628,7 @@ fn snapshot_verification_does_not_follow_block_or_stream() {
     let meta = |id: &str| ramify_node_agent::store::SnapshotMeta {
         id: id.into(),
         runsc_version: "v".into(),
+        platform: None,
         created_unix_ms: 0,
         expires_unix_ms: None,
         files: vec![],

@@ -21,6 +21,8 @@ pub struct Announcement {
     pub node: String,
     pub capacity: u32,
     pub runsc_version: String,
+    /// The gVisor platform its sandboxes run on (resolved: never `auto`).
+    pub platform: String,
     pub duration: Duration,
 }
 
@@ -42,6 +44,7 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
             "annotations": {
                 "ramify.dev/max-sandboxes": a.capacity.to_string(),
                 "ramify.dev/runsc-version": a.runsc_version,
+                (ramify_crds::ANNOTATION_PLATFORM): a.platform,
             },
         },
         "spec": {

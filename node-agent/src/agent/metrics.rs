@@ -22,6 +22,14 @@ pub struct FailureLabels {
     pub error: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PlatformLabels {
+    /// What sandboxes run on.
+    pub platform: String,
+    /// What `--platform` asked for (`auto` probes systrap).
+    pub requested: String,
+}
+
 /// Every metric the agent exports.
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -38,6 +46,8 @@ pub struct AgentMetrics {
     pub warm_misses: Counter,
     pub sandboxes: Gauge,
     pub snapshot_bytes: Gauge,
+    /// 1 for the gVisor platform sandboxes run on (see [`AgentMetrics::set_platform`]).
+    pub platform: Family<PlatformLabels, Gauge>,
 }
 
 impl AgentMetrics {
@@ -60,6 +70,7 @@ impl AgentMetrics {
             warm_misses: Counter::default(),
             sandboxes: Gauge::default(),
             snapshot_bytes: Gauge::default(),
+            platform: Family::default(),
         };
         r.register("reconcile_runs", "Reconciliations run", m.runs.clone());
         r.register(
@@ -118,6 +129,11 @@ impl AgentMetrics {
             m.snapshot_bytes.clone(),
         );
         r.register(
+            "platform",
+            "The gVisor platform sandboxes run on (1), with what --platform asked for",
+            m.platform.clone(),
+        );
+        r.register(
             "build",
             "Build information",
             Info::new(vec![
@@ -129,6 +145,16 @@ impl AgentMetrics {
             registry: Arc::new(r),
             ..m
         }
+    }
+
+    /// Records the platform decided at start-up: one series, value 1.
+    pub fn set_platform(&self, d: &crate::platform::PlatformDecision) {
+        self.platform
+            .get_or_create(&PlatformLabels {
+                platform: d.platform.as_str().into(),
+                requested: d.requested.as_str().into(),
+            })
+            .set(1);
     }
 
     pub fn reconciled(&self, controller: &str, took: Duration) {
@@ -146,5 +172,28 @@ impl AgentMetrics {
                 error: error.into(),
             })
             .inc();
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::platform::PlatformDecision;
+    use crate::runsc::Platform;
+
+    #[test]
+    fn the_platform_in_use_is_a_labelled_series() {
+        let m = AgentMetrics::new("release-test");
+        m.set_platform(&PlatformDecision {
+            platform: Platform::Systrap,
+            requested: Platform::Auto,
+            reason: "probe".into(),
+        });
+        let text = ramify_runtime::render(&m.registry);
+        assert!(
+            text.contains(r#"ramify_node_agent_platform{platform="systrap",requested="auto"} 1"#),
+            "{text}"
+        );
     }
 }

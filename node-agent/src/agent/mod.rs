@@ -222,6 +222,7 @@ fn error_category(e: &Error) -> &'static str {
         Error::Unsupported { .. } => "unsupported",
         Error::Snapshot { .. } => "snapshot",
         Error::VersionMismatch { .. } => "version_mismatch",
+        Error::PlatformMismatch { .. } => "platform_mismatch",
         Error::CorruptImage { .. } => "corrupt_image",
         Error::Network(_) => "network",
         Error::Rootfs(_) => "rootfs",
@@ -583,10 +584,10 @@ impl Agent {
         let (sb, extra) = match started {
             Ok(x) => x,
             Err(e) => {
-                let reason = if obj.spec.restore_from.is_some() {
-                    "RestoreFailed"
-                } else {
-                    "StartFailed"
+                let reason = match &e {
+                    Error::PlatformMismatch { .. } => ramify_crds::REASON_PLATFORM_MISMATCH,
+                    _ if obj.spec.restore_from.is_some() => "RestoreFailed",
+                    _ => "StartFailed",
                 };
                 self.metrics.failed("sandbox", error_category(&e));
                 self.write_sandbox_status(
@@ -1401,6 +1402,8 @@ impl Agent {
             "sizeBytes": meta.size_bytes,
             "sha256": meta.sha256,
             "runscVersion": short_version(&meta.runsc_version),
+            // Images recorded before platforms were came from ptrace.
+            "platform": meta.platform.as_deref().unwrap_or("ptrace"),
             "captureMillis": meta.capture_millis,
             "sourcePauseMillis": pause.map(millis).unwrap_or(i64::try_from(meta.source_pause_millis).unwrap_or(0)),
             "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),

@@ -143,6 +143,23 @@ pub struct Harness {
 }
 
 pub async fn harness(test: &str) -> Harness {
+    // RAMIFY_RUNSC picks another runsc (e.g. a current release built from the
+    // gvisor.dev Go module); default: the one on PATH (Debian's package). The platform
+    // is the agent's default, `auto`: systrap where it works, else ptrace.
+    harness_with(
+        test,
+        RunscConfig {
+            binary: std::env::var_os("RAMIFY_RUNSC").map_or_else(|| "runsc".into(), Into::into),
+            ..RunscConfig::default()
+        },
+        None,
+    )
+    .await
+}
+
+/// A harness on a given runsc and platform; `state_dir` shares another harness's
+/// state (its snapshot store) instead of a fresh one.
+pub async fn harness_with(test: &str, runsc: RunscConfig, state_dir: Option<PathBuf>) -> Harness {
     let rootfs = rootfs().await;
     let dir = base().join(format!(
         "{}-{test}-{}",
@@ -153,15 +170,10 @@ pub async fn harness(test: &str) -> Harness {
     let placement = standalone(&dir.join("cni"));
     let engine = Engine::new(
         EngineConfig {
-            state_dir: dir.join("state"),
+            state_dir: state_dir.unwrap_or_else(|| dir.join("state")),
             id_prefix: PREFIX.into(),
             id_owner: None,
-            // RAMIFY_RUNSC picks another runsc (e.g. a current release built from the
-            // gvisor.dev Go module); default: the one on PATH (Debian's package).
-            runsc: RunscConfig {
-                binary: std::env::var_os("RAMIFY_RUNSC").map_or_else(|| "runsc".into(), Into::into),
-                ..RunscConfig::default()
-            },
+            runsc,
             exec_timeout: Duration::from_secs(60),
         },
         Arc::new(placement),
@@ -172,6 +184,33 @@ pub async fn harness(test: &str) -> Harness {
         engine,
         rootfs,
         dir,
+    }
+}
+
+/// The pinned current runsc (`hack/runsc/build.sh`: built from the Go module proxy,
+/// cached), whatever RAMIFY_RUNSC says: what the tests of systrap need.
+pub fn current_runsc() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../hack/runsc/build.sh");
+    let out = std::process::Command::new(&script)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "building the current runsc failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Polls `cond` every 100 ms until it holds; panics with `what` after `secs`.
+pub async fn poll_until(what: &str, secs: u64, mut cond: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while !cond().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} within {secs}s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
