@@ -3,12 +3,14 @@
 
 pub mod branchset;
 pub mod common;
+pub mod exit;
 pub mod platform;
 pub mod sandbox;
 pub mod snapshot;
 
 pub use branchset::*;
 pub use common::*;
+pub use exit::*;
 pub use platform::*;
 pub use sandbox::*;
 pub use snapshot::*;

@@ -108,6 +108,13 @@ pub struct Resources {
     #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('1Mi'))").message("spec.resources.memory must be a quantity larger than 1Mi such as 512Mi"))]
     #[schemars(length(max = 64))]
     pub memory: Option<String>,
+    /// Most processes and threads the sandbox may hold on the node (its pids cgroup:
+    /// gVisor's own threads and one host process per address space count too). A fork
+    /// bomb stops here and the sandbox ends `Failed` with reason `PidsLimitReached`.
+    /// Defaults to 4096.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 64, max = 4194304))]
+    pub pids: Option<i64>,
 }
 
 /// Egress policy of a sandbox.
@@ -225,9 +232,14 @@ pub struct SandboxStatus {
     /// When the sandbox's processes started (or resumed from the snapshot).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Time>,
-    /// Exit code of the first process, once it exited.
+    /// Exit code of the first process, once it exited (128 + the signal when a signal
+    /// killed it, as a shell reports it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
+    /// How the sandbox ended, once its processes stopped: exit code or signal, and a
+    /// limit it reached (`OOMKilled`, `PidsLimitReached`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<crate::exit::SandboxExit>,
     /// Number of commits promoted into this sandbox from its branches.
     #[serde(default)]
     pub commits: i64,

@@ -13,6 +13,14 @@ fn rel(cgroups_path: &str) -> &str {
     cgroups_path.trim_start_matches('/')
 }
 
+/// A file of the sandbox's cgroup in one v1 hierarchy (`memory`, `pids`, ...).
+pub fn file(controller: &str, cgroups_path: &str, name: &str) -> PathBuf {
+    Path::new(CGROUP_ROOT)
+        .join(controller)
+        .join(rel(cgroups_path))
+        .join(name)
+}
+
 pub fn freezer_state_path(cgroups_path: &str) -> PathBuf {
     Path::new(CGROUP_ROOT)
         .join("freezer")

@@ -6,6 +6,7 @@
 //! - [`control`]: the `/run/ramify` control mount, parsed defensively.
 //! - [`store`]: snapshot images with sha256, version pinning and TTL.
 //! - [`platform`]: the gVisor platform (`auto` probes systrap) and which images restore where.
+//! - [`exit_reason`]: why a sandbox ended (exit code, signal, out-of-memory, pids limit).
 
 pub mod agent;
 pub mod cgroup;
@@ -14,6 +15,7 @@ pub mod control;
 pub mod diff;
 pub mod engine;
 pub mod error;
+pub mod exit_reason;
 pub mod placement;
 pub mod platform;
 pub mod rootfs;

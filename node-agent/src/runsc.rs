@@ -290,9 +290,18 @@ impl Runsc {
             OverlayFlag::Overlay2Root => a.push("--overlay2=root:memory".into()),
             OverlayFlag::LegacyAll => a.push("--overlay".into()),
         }
-        if let Some(d) = &self.cfg.debug_log_dir {
-            a.push("--debug".into());
-            a.push(format!("--debug-log={}/{}.%COMMAND%.log", d.display(), ctx.id).into());
+        match &self.cfg.debug_log_dir {
+            Some(d) => {
+                a.push("--debug".into());
+                a.push(format!("--debug-log={}/{}.%COMMAND%.log", d.display(), ctx.id).into());
+            }
+            None => {
+                // The sandbox process's own log at info level (a few KiB): it is where
+                // runsc says how the first process ended ("application exiting with
+                // exit status 3"), which nothing else reports once the sandbox is gone.
+                a.push(format!("--debug-log={}", self.boot_log(ctx).display()).into());
+                a.push("--debug-command=boot".into());
+            }
         }
         a
     }
@@ -339,6 +348,14 @@ impl Runsc {
         ctx.root.with_file_name("console.log")
     }
 
+    /// The log of the sandbox process (`runsc boot`): how its first process ended.
+    pub fn boot_log(&self, ctx: &SandboxCtx) -> PathBuf {
+        match &self.cfg.debug_log_dir {
+            Some(d) => d.join(format!("{}.boot.log", ctx.id)),
+            None => ctx.root.with_file_name("boot.log"),
+        }
+    }
+
     /// Where `run` and `restore` write the sandbox process's pid.
     pub fn pid_file(ctx: &SandboxCtx) -> PathBuf {
         ctx.root.with_file_name("sandbox.pid")
@@ -355,8 +372,10 @@ impl Runsc {
 
     #[instrument(skip(self, ctx), fields(id = %ctx.id))]
     pub async fn run(&self, ctx: &SandboxCtx, bundle: &Path) -> Result<()> {
-        // A pid left from an earlier run names a process that is gone (or recycled).
+        // A pid left from an earlier run names a process that is gone (or recycled), and
+        // an earlier boot log tells how an earlier sandbox ended.
         let _ = std::fs::remove_file(Self::pid_file(ctx));
+        let _ = std::fs::remove_file(self.boot_log(ctx));
         let c = self.command(
             ctx,
             &[
@@ -374,6 +393,7 @@ impl Runsc {
     #[instrument(skip(self, ctx), fields(id = %ctx.id))]
     pub async fn restore(&self, ctx: &SandboxCtx, bundle: &Path, image: &Path) -> Result<()> {
         let _ = std::fs::remove_file(Self::pid_file(ctx));
+        let _ = std::fs::remove_file(self.boot_log(ctx));
         let mut sub: Vec<OsString> = vec![
             "restore".into(),
             format!("--image-path={}", image.display()).into(),

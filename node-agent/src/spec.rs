@@ -17,7 +17,17 @@ pub struct Resources {
     pub cpu_millis: Option<u64>,
     /// Memory limit in bytes; None = unlimited.
     pub memory_bytes: Option<u64>,
+    /// Most processes and threads on the host (the sandbox's pids cgroup); None:
+    /// [`DEFAULT_PIDS_LIMIT`]. Absent from images recorded before it existed.
+    #[serde(default)]
+    pub pids: Option<u64>,
 }
+
+/// A sandbox's pids limit unless its spec says otherwise: a fork bomb stops here
+/// instead of filling the node's process table. gVisor's own threads and one host
+/// process per guest address space count, so this is several times what a workload
+/// of a few hundred processes needs.
+pub const DEFAULT_PIDS_LIMIT: u64 = 4096;
 
 /// What a workload is: everything needed to (re)build its bundle. Stored with
 /// every snapshot because a restore needs the same process, mounts and rootfs.
@@ -91,6 +101,10 @@ pub fn oci_config(w: &WorkloadSpec, p: &BundleParams<'_>) -> Value {
     if let Some(b) = w.resources.memory_bytes {
         resources.insert("memory".into(), json!({"limit": b as i64}));
     }
+    resources.insert(
+        "pids".into(),
+        json!({"limit": w.resources.pids.unwrap_or(DEFAULT_PIDS_LIMIT) as i64}),
+    );
     json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -155,6 +169,7 @@ mod tests {
             resources: Resources {
                 cpu_millis: Some(500),
                 memory_bytes: Some(256 << 20),
+                pids: None,
             },
         }
     }
@@ -172,6 +187,22 @@ mod tests {
         );
         assert_eq!(c["linux"]["resources"]["cpu"]["quota"], 50_000);
         assert_eq!(c["linux"]["resources"]["memory"]["limit"], 256 << 20);
+        assert_eq!(
+            c["linux"]["resources"]["pids"]["limit"],
+            DEFAULT_PIDS_LIMIT as i64
+        );
+        let mut limited = w();
+        limited.resources.pids = Some(512);
+        let c2 = oci_config(
+            &limited,
+            &BundleParams {
+                rootfs: Path::new("/r"),
+                control_dir: Path::new("/c"),
+                netns: None,
+                cgroups_path: "/ramify/y",
+            },
+        );
+        assert_eq!(c2["linux"]["resources"]["pids"]["limit"], 512);
         assert_eq!(c["linux"]["cgroupsPath"], "/ramify/x");
         let ns = c["linux"]["namespaces"]
             .as_array()

@@ -8,6 +8,7 @@
 //! images are kept, a commit applied locally is reported instead of applied twice, and
 //! anything the API no longer knows is destroyed (no orphans).
 
+mod exit;
 pub mod lease;
 pub mod metrics;
 pub mod registry;
@@ -147,6 +148,7 @@ pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
         .unwrap_or(ramify_crds::Resources {
             cpu: None,
             memory: None,
+            pids: None,
         });
     WorkloadSpec {
         args: sbx.spec.command.clone(),
@@ -161,6 +163,7 @@ pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
         resources: Resources {
             cpu_millis: res.cpu.as_deref().and_then(cpu_millis),
             memory_bytes: res.memory.as_deref().and_then(memory_bytes),
+            pids: res.pids.and_then(|p| u64::try_from(p).ok()),
         },
     }
 }
@@ -436,6 +439,9 @@ impl Agent {
         }
         if let Some(code) = old.exit_code {
             st["exitCode"] = json!(code);
+        }
+        if let Some(exit) = old.exit.clone() {
+            st["exit"] = json!(exit);
         }
         if let (Some(dst), Some(src)) = (st.as_object_mut(), extra.as_object()) {
             for (k, v) in src {
@@ -846,14 +852,7 @@ impl Agent {
         let running = self.engine.is_running(sb).await?;
         let status = obj.status.clone().unwrap_or_default();
         if !running && status.phase == SandboxPhase::Running {
-            self.write_sandbox_status(
-                obj,
-                SandboxPhase::Failed,
-                Some(sb),
-                (false, "Exited", "the sandbox's processes exited".into()),
-                json!({}),
-            )
-            .await?;
+            self.report_exit(obj, sb).await?;
             return Ok(Action::await_change());
         }
         let reported = self

@@ -62,6 +62,7 @@ fn workload(dirty_mib: u64) -> WorkloadSpec {
         resources: Resources {
             cpu_millis: None,
             memory_bytes: Some(2 << 30),
+            pids: None,
         },
     }
 }

@@ -224,6 +224,7 @@ impl Harness {
             resources: Resources {
                 cpu_millis: Some(1000),
                 memory_bytes: Some(512 << 20),
+                pids: None,
             },
         }
     }

@@ -1,0 +1,120 @@
+//! A sandbox that dies says why, in status and an Event, as the kubelet does for a
+//! container: its first process's exit code, an out-of-memory kill naming the memory
+//! limit, a fork bomb stopped by the pids limit (real control plane, operator, node
+//! agent and runsc).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use ramify_crds::{ConditionsExt, ExitReason, Sandbox, SandboxPhase};
+use ramify_e2e::system::System;
+
+/// Waits until the sandbox left Running with `status.exit` set.
+async fn ended(sys: &System, name: &str, secs: u64) -> Sandbox {
+    sys.wait_sandbox(name, "ended with status.exit", secs, |s| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.exit.is_some() && st.phase != SandboxPhase::Running)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_sandbox_that_dies_says_why_in_status_and_an_event() {
+    let sys = System::start("exit").await;
+
+    // A fork bomb under cpu 500m and a pids limit of 512: contained (the API server,
+    // which shares this node, keeps answering while it goes off), stopped at the
+    // limit, and says so.
+    sys.apply(&sys.sandbox_yaml(
+        "bomb",
+        "f() { f | f & }; f; sleep 1000",
+        "{cpu: 500m, memory: 256Mi, pids: 512}",
+    ));
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut slowest = Duration::ZERO;
+    let s = loop {
+        let t = Instant::now();
+        let s = sys.sandboxes().get("bomb").await.unwrap();
+        slowest = slowest.max(t.elapsed());
+        let st = s.status.clone().unwrap_or_default();
+        if st.exit.is_some() && st.phase != SandboxPhase::Running {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bomb: no status.exit\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        slowest < Duration::from_secs(2),
+        "the API server took {slowest:?} to answer during the fork bomb"
+    );
+    let st = s.status.unwrap();
+    let exit = st.exit.clone().unwrap();
+    assert_eq!(st.phase, SandboxPhase::Failed);
+    assert_eq!(exit.reason, ExitReason::PidsLimitReached, "{exit:?}");
+    assert_eq!(exit.limit.as_deref(), Some("512"));
+    assert_eq!(
+        st.conditions.get_condition("Ready").unwrap().reason,
+        "PidsLimitReached"
+    );
+    assert!(
+        sys.event("bomb", "PidsLimitReached")
+            .await
+            .note
+            .unwrap_or_default()
+            .contains("512")
+    );
+
+    sys.apply(&sys.sandbox_yaml("three", "sleep 1; exit 3", "{cpu: 500m, memory: 128Mi}"));
+    sys.apply(&sys.sandbox_yaml(
+        "hog",
+        r#"a=x; while :; do a="$a$a"; done"#,
+        "{cpu: 500m, memory: 256Mi}",
+    ));
+
+    // A plain exit: its code, phase Failed, the reason on Ready, a Warning Event.
+    let s = ended(&sys, "three", 120).await;
+    let st = s.status.unwrap();
+    let exit = st.exit.clone().unwrap();
+    assert_eq!(st.phase, SandboxPhase::Failed);
+    assert_eq!(
+        (exit.reason, exit.code),
+        (ExitReason::Error, Some(3)),
+        "{exit:?}"
+    );
+    assert_eq!(st.exit_code, Some(3));
+    let ready = st.conditions.get_condition("Ready").unwrap();
+    assert_eq!(ready.reason, "Error");
+    assert!(
+        ready.message.contains("exited with code 3"),
+        "{}",
+        ready.message
+    );
+    let ev = sys.event("three", "Error").await;
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
+    assert!(ev.note.unwrap_or_default().contains("code 3"));
+
+    // Out of memory: OOMKilled, naming the limit.
+    let s = ended(&sys, "hog", 180).await;
+    let st = s.status.unwrap();
+    let exit = st.exit.clone().unwrap();
+    assert_eq!(st.phase, SandboxPhase::Failed);
+    assert_eq!(exit.reason, ExitReason::OomKilled, "{exit:?}");
+    assert_eq!(exit.limit.as_deref(), Some("256Mi"));
+    let ready = st.conditions.get_condition("Ready").unwrap();
+    assert_eq!(ready.reason, "OOMKilled");
+    assert!(ready.message.contains("256Mi"), "{}", ready.message);
+    assert!(
+        sys.event("hog", "OOMKilled")
+            .await
+            .note
+            .unwrap_or_default()
+            .contains("256Mi")
+    );
+
+    sys.teardown_and_check_clean().await;
+}
