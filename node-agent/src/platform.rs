@@ -102,7 +102,7 @@ impl ProbeKey {
 
 /// Runs `true` in a throw-away sandbox on `platform` (its own state root, no network);
 /// the error is the last line runsc printed.
-async fn probe(binary: &Path, platform: Platform) -> std::result::Result<(), String> {
+pub async fn probe(binary: &Path, platform: Platform) -> std::result::Result<(), String> {
     let dir = std::env::temp_dir().join(format!(
         "ramify-platform-probe-{}-{}",
         std::process::id(),

@@ -3,6 +3,9 @@
 //!
 //!   cargo run -p ramify-node-agent --bin ramify-bench -- [--claims 200] [--dirty 0,64,256] [--forks 1,2,4,8]
 //!
+//! Then the platform scenario: the same system-call-heavy branch workload on systrap and
+//! on ptrace (`--compare-platforms`), both printed with their ratio.
+//!
 //! Needs root, runsc, busybox-static, containernetworking-plugins, iptables.
 
 use std::path::{Path, PathBuf};
@@ -30,13 +33,26 @@ struct Args {
     forks: Vec<u32>,
     #[arg(long, default_value = "runsc")]
     runsc: PathBuf,
-    #[arg(long, default_value = "ptrace")]
+    /// Platform of the engine scenarios: auto (systrap where it works), systrap, ptrace.
+    #[arg(long, default_value = "auto")]
     platform: String,
+    /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`.
+    #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
+    scenarios: Vec<String>,
+    /// Platforms the platform scenario compares (each must work with --runsc).
+    #[arg(long, value_delimiter = ',', default_value = "systrap,ptrace")]
+    compare_platforms: Vec<String>,
+    /// Runs of each workload per platform in the platform scenario.
+    #[arg(long, default_value_t = 3)]
+    platform_runs: usize,
     /// `busy`: claim as soon as one branch is ready, while the pool's restores refill
     /// it on the same 2 cores; `quiet`: wait for a full pool before each claim.
     #[arg(long, default_value = "busy")]
     claim_mode: String,
 }
+
+#[path = "ramify-bench/platforms.rs"]
+mod platforms;
 
 const PREFIX: &str = "ramify-bench-";
 
@@ -204,7 +220,27 @@ async fn main() -> Result<()> {
         placement.clone(),
     )
     .await?;
-    let result = run(&engine, &placement, &rootfs, &dir, &args).await;
+    let mut result = Ok(());
+    if args.scenarios.iter().any(|s| s == "engine") {
+        result = run(&engine, &placement, &rootfs, &dir, &args).await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "platforms") {
+        let compare = args
+            .compare_platforms
+            .iter()
+            .map(|p| p.parse::<Platform>())
+            .collect::<Result<Vec<_>, _>>()?;
+        result = platforms::compare(
+            &args.runsc,
+            &compare,
+            args.platform_runs,
+            placement.clone(),
+            &rootfs,
+            &dir,
+            PREFIX,
+        )
+        .await;
+    }
     // `run` destroys every sandbox it holds, on success and on error; leftovers of a
     // crashed run are swept at the next start.
     let _ = std::fs::remove_dir_all(&dir);
@@ -331,6 +367,8 @@ async fn run_inner(
         engine.runsc().version(),
         engine.runsc().caps()
     );
+    let p = engine.runsc().platform();
+    println!("platform: {} ({})", p.platform.as_str(), p.reason);
     println!();
     println!("## Snapshot of a running sandbox (dirty = MiB written to tmpfs in the sandbox)");
     println!(
