@@ -148,6 +148,11 @@ impl System {
             env,
             &base,
         );
+        // RAMIFY_E2E_PLATFORM runs the agent on another gVisor platform than its
+        // default (`auto`: systrap with this runsc), e.g. to compare in the bench.
+        if let Ok(p) = std::env::var("RAMIFY_E2E_PLATFORM") {
+            agent.set_flag("--platform", &p);
+        }
         let iptables_before = bridge_rules();
         operator.start().unwrap();
         agent.start().unwrap();

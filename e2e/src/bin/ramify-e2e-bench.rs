@@ -5,7 +5,9 @@
 //!   cargo build --bins && cargo build --release --bins
 //!   RAMIFY_PROFILE=release target/debug/ramify-e2e-bench [--runs 3]
 //!
-//! (RAMIFY_PROFILE picks the operator's and node agent's build; default debug.)
+//! (RAMIFY_PROFILE picks the operator's and node agent's build; default debug.) The
+//! agent runs on its default platform, `auto` (systrap with the pinned runsc), or on
+//! RAMIFY_E2E_PLATFORM (e.g. `ptrace`); the platform is printed with the figures.
 //! Prints, per scenario, the time from `kubectl apply` to every branch running:
 //! a 4-branch BranchSet from a live sandbox (snapshot + cold restores), from an existing
 //! snapshot (cold restores), from a snapshot with a warm pool of 4 (claims; also
@@ -170,6 +172,10 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
     let sys = System::start("bench").await;
+    // The agent's default (`auto`) with the pinned runsc: systrap where it works.
+    let platform = sys
+        .lease_annotation(ramify_crds::ANNOTATION_PLATFORM, 60, |_| true)
+        .await;
     let sandboxes = sys.sandboxes();
     let snapshots: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
     let branchsets = sys.branchsets();
@@ -384,7 +390,7 @@ async fn main() {
     }
 
     println!(
-        "\nramify end-to-end latency, {runs} runs each (median, then every run), 2-core machine"
+        "\nramify end-to-end latency, {runs} runs each (median, then every run), 2-core machine, gVisor platform {platform}"
     );
     println!("{:<62} {:>9}  runs", "scenario", "median");
     let row = |label: &str, v: &Vec<f64>| {

@@ -102,7 +102,9 @@ pub async fn compare(
             took: vec![Vec::new(); WORKLOADS.len()],
         });
     }
+    let load_before = loadavg();
     let r = measure(&mut on, runs, rootfs).await;
+    let load_after = loadavg();
     for o in &mut on {
         for sb in o.live.drain(..).chain(o.branch.take()) {
             if let Err(e) = o.engine.destroy(sb).await {
@@ -115,7 +117,16 @@ pub async fn compare(
     }
     r?;
     print(&on, runs);
+    // Other work on the machine slows systrap's fast path most (its stub and the
+    // sentry hand off between cores): say how busy the machine was.
+    println!("load average before: {load_before}; after: {load_after}");
     Ok(())
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|e| format!("unknown ({e})"))
 }
 
 async fn measure(on: &mut [OnPlatform], runs: usize, rootfs: &Path) -> Result<()> {
