@@ -68,6 +68,9 @@ if [[ "${1:-}" == "down" ]]; then
   fi
   hack/controlplane/down.sh
   rm -rf "$state" "$agent_state"
+  # Its bridge and its cgroup parent (empty now: every sandbox is gone) go too.
+  ip link delete "$bridge" 2>/dev/null || true
+  for h in /sys/fs/cgroup/*/; do rmdir "$h${cgroup_parent#/}" 2>/dev/null || true; done
   say "stopped; nothing left running"
   exit 0
 fi
