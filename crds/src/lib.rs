@@ -5,6 +5,7 @@ pub mod branchset;
 pub mod common;
 pub mod sandbox;
 pub mod snapshot;
+pub mod subresources;
 
 pub use branchset::*;
 pub use common::*;

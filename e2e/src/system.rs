@@ -24,6 +24,12 @@ pub struct System {
     pub state_dir: PathBuf,
     pub runsc: PathBuf,
     pub rootfs: PathBuf,
+    /// The namespace of the agent's Lease (where ramify-api looks up its endpoint).
+    pub system_namespace: String,
+    /// Certificates of ramify-api and the agent endpoint (`hack/pki.sh`).
+    pub pki: PathBuf,
+    /// Where the components log.
+    pub log_dir: PathBuf,
     /// Names this system's cgroup parent (`/ramify-e2e-<suffix>`).
     suffix: String,
     /// The e2e bridge's iptables rules from before this system started.
@@ -96,6 +102,7 @@ impl System {
             String::from_utf8_lossy(&out.stderr)
         );
         let runsc = runsc();
+        let pki = crate::access::pki(&base.join("pki"), &system_ns.name);
         let kubeconfig = cp.kubeconfig.to_string_lossy().into_owned();
         let env = vec![
             ("KUBECONFIG".to_string(), kubeconfig),
@@ -140,6 +147,15 @@ impl System {
                 // Its own cgroup parent: what is left under it is this system's.
                 "--cgroup-parent".into(),
                 format!("/ramify-e2e-{suffix}"),
+                // The mTLS endpoint ramify-api dials (any free port; the Lease says which).
+                "--endpoint-listen".into(),
+                "127.0.0.1:0".into(),
+                "--endpoint-cert".into(),
+                pki.join("agent.crt").to_string_lossy().into_owned(),
+                "--endpoint-key".into(),
+                pki.join("agent.key").to_string_lossy().into_owned(),
+                "--endpoint-client-ca".into(),
+                pki.join("ca.crt").to_string_lossy().into_owned(),
             ],
             env,
             &base,
@@ -156,9 +172,18 @@ impl System {
             state_dir,
             runsc,
             rootfs,
+            system_namespace: system_ns.name.clone(),
+            pki,
+            log_dir: base,
             suffix: suffix.to_string(),
             iptables_before,
         }
+    }
+
+    /// Starts ramify-api for this system and registers it with the control plane
+    /// (what `kubectl ramify exec|logs|diff` go through).
+    pub fn start_api(&self) -> crate::access::ApiServer {
+        crate::access::ApiServer::start(&self.cp, &self.system_namespace, &self.pki, &self.log_dir)
     }
 
     /// Sandboxes and Snapshots still in the test namespace.

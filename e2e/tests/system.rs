@@ -487,7 +487,6 @@ fn plugin(sys: &System, args: &[&str]) -> (i32, String, String) {
         .args(["-n", &sys.ns.name])
         .args(args)
         .env("KUBECONFIG", &sys.cp.kubeconfig)
-        .env("RAMIFY_AGENT_STATE_DIR", &sys.state_dir)
         .output()
         .unwrap();
     (
@@ -501,6 +500,8 @@ fn plugin(sys: &System, args: &[&str]) -> (i32, String, String) {
 async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
     let _serial = SERIAL.lock().await;
     let sys = System::start("plugin").await;
+    // exec and diff go through the aggregated API, as for any user.
+    let _api = sys.start_api();
     sys.running_workspace().await;
 
     // Clear errors and exit codes for wrong names and states.

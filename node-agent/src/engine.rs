@@ -1189,6 +1189,12 @@ impl Engine {
             .await
     }
 
+    /// A `runsc exec` of `argv` in the sandbox with its workload's environment, not
+    /// started: the node endpoint streams its output as it comes.
+    pub fn exec_command(&self, sb: &Sandbox, argv: &[String]) -> Result<crate::cmd::Cmd> {
+        self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)
+    }
+
     /// Files changed under `globs` since the branch was restored (needs a baseline:
     /// the branch must have been forked with those globs tracked).
     pub async fn diff_since_restore(&self, sb: &Sandbox, globs: &[String]) -> Result<Diff> {

@@ -1,7 +1,8 @@
 //! `ramify-node-agent`: `run` is the node agent (watches the ramify objects bound to this
 //! node and does the runsc work); the other subcommands act on a node's local state
-//! (`exec`, `logs`, `diff` into a sandbox, `rootfs` to prepare a test rootfs, `cleanup`)
-//! and are what `kubectl ramify exec|logs|diff` calls on the node.
+//! (`exec`, `logs`, `diff` into a sandbox for a node administrator, `rootfs` to prepare
+//! a test rootfs, `cleanup`). Users reach exec, logs and diff through the aggregated
+//! API (`ramify-api`), which calls the agent's mTLS endpoint (`--endpoint-listen`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use ramify_node_agent::agent::endpoint::{Endpoint, EndpointConfig, local_sandbox};
 use ramify_node_agent::agent::lease::{self, Announcement};
 use ramify_node_agent::agent::metrics::AgentMetrics;
 use ramify_node_agent::agent::registry::Registry;
@@ -42,6 +44,40 @@ struct StateArgs {
         default_value = "/var/lib/ramify/agent"
     )]
     state_dir: PathBuf,
+}
+
+/// The node endpoint that serves exec, log and diff to `ramify-api` (mutual TLS).
+#[derive(clap::Args, Clone)]
+struct EndpointArgs {
+    /// Address of the node endpoint (port 0: any free port; the Lease announces the
+    /// one taken). Unset: no endpoint (exec, logs and diff only on the node itself).
+    #[arg(long, env = "RAMIFY_ENDPOINT_LISTEN", requires_all = ["endpoint_cert", "endpoint_key", "endpoint_client_ca"])]
+    endpoint_listen: Option<SocketAddr>,
+    /// Host that ramify-api dials (the pod or node IP) when the listen address is a
+    /// wildcard.
+    #[arg(long, env = "RAMIFY_ENDPOINT_ADVERTISE")]
+    endpoint_advertise: Option<String>,
+    /// Serving certificate (PEM; its subjectAltName must name `ramify-node-agent`).
+    #[arg(long, env = "RAMIFY_ENDPOINT_CERT")]
+    endpoint_cert: Option<PathBuf>,
+    #[arg(long, env = "RAMIFY_ENDPOINT_KEY")]
+    endpoint_key: Option<PathBuf>,
+    /// CA of ramify-api's client certificate; only a certificate from it that names
+    /// `ramify-api` is served.
+    #[arg(long, env = "RAMIFY_ENDPOINT_CLIENT_CA")]
+    endpoint_client_ca: Option<PathBuf>,
+}
+
+impl EndpointArgs {
+    fn config(&self) -> Option<EndpointConfig> {
+        Some(EndpointConfig {
+            listen: self.endpoint_listen?,
+            advertise_host: self.endpoint_advertise.clone(),
+            cert: self.endpoint_cert.clone()?,
+            key: self.endpoint_key.clone()?,
+            client_ca: self.endpoint_client_ca.clone()?,
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -78,6 +114,8 @@ enum Command {
         /// Log as JSON.
         #[arg(long, env = "RAMIFY_LOG_JSON", default_value_t = false)]
         log_json: bool,
+        #[command(flatten)]
+        endpoint: Box<EndpointArgs>,
     },
     /// Run a command in a sandbox on this node: `exec NAMESPACE/NAME -- CMD...`.
     Exec {
@@ -235,17 +273,7 @@ async fn find(
         .split_once('/')
         .ok_or_else(|| anyhow::anyhow!("expected NAMESPACE/NAME, got {key:?}"))?;
     let registry = Registry::open(state_dir.join("registry"))?;
-    let rec = registry
-        .sandboxes()?
-        .into_values()
-        .find(|r| r.namespace == ns && r.name == name)
-        .ok_or_else(|| anyhow::anyhow!("no sandbox {key} on this node"))?;
-    engine
-        .recover()
-        .await?
-        .into_iter()
-        .find(|s| s.id == rec.sandbox_id)
-        .ok_or_else(|| anyhow::anyhow!("sandbox {key} ({}) has no local state", rec.sandbox_id))
+    Ok(local_sandbox(engine, &registry, ns, name).await?)
 }
 
 #[tokio::main]
@@ -275,6 +303,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             subnet,
             cgroup_parent,
             log_json,
+            endpoint,
         } => {
             if log_json {
                 tracing_subscriber::fmt()
@@ -320,16 +349,25 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     }
                 }
             });
+            // Bound before the first Lease write, so the Lease names a live endpoint.
+            let endpoint = match endpoint.config() {
+                Some(cfg) => Some(Endpoint::bind(&cfg).await?),
+                None => None,
+            };
             let announcement = Announcement {
                 namespace: system_namespace.clone(),
                 node: node_name.clone(),
                 capacity,
                 runsc_version: version,
                 duration: Duration::from_secs(15),
+                endpoint: endpoint.as_ref().map(|e| e.url.clone()),
             };
             lease::renew(&client, &announcement).await?;
             tokio::spawn(lease::heartbeat(client.clone(), announcement));
             let registry = Registry::open(state.state_dir.join("registry"))?;
+            if let Some(ep) = endpoint {
+                tokio::spawn(ep.serve(engine.clone(), registry.clone()));
+            }
             let agent = Arc::new(Agent::new(
                 client,
                 engine,

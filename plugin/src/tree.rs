@@ -213,6 +213,23 @@ pub fn human_bytes(b: i64) -> String {
     }
 }
 
+/// The lines of a diff (the agent's JSON: `added`, `modified`, `deleted` lists of
+/// `{path, size}`): `A|M|D <size> <path>`.
+pub fn render_diff(body: &[u8]) -> Result<String, serde_json::Error> {
+    let d: Value = serde_json::from_slice(body)?;
+    let mut out = String::new();
+    for (mark, key) in [("A", "added"), ("M", "modified"), ("D", "deleted")] {
+        for c in d[key].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "{mark} {:>10} {}\n",
+                c["size"].as_u64().unwrap_or(0),
+                c["path"].as_str().unwrap_or("")
+            ));
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

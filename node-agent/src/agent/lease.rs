@@ -22,6 +22,8 @@ pub struct Announcement {
     pub capacity: u32,
     pub runsc_version: String,
     pub duration: Duration,
+    /// The node endpoint `ramify-api` dials for exec, log and diff (`https://host:port`).
+    pub endpoint: Option<String>,
 }
 
 impl Announcement {
@@ -33,7 +35,7 @@ impl Announcement {
 /// Writes (creates or renews) the lease once.
 pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
     let api: Api<Lease> = Api::namespaced(client.clone(), &a.namespace);
-    let body = json!({
+    let mut body = json!({
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {
@@ -50,6 +52,10 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
             "renewTime": MicroTime(Timestamp::now()),
         },
     });
+    if let Some(url) = &a.endpoint {
+        body["metadata"]["annotations"][ramify_crds::subresources::ANNOTATION_AGENT_ENDPOINT] =
+            json!(url);
+    }
     api.patch(
         &a.lease_name(),
         &PatchParams::apply(MANAGER).force(),

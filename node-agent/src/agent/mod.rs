@@ -8,6 +8,7 @@
 //! images are kept, a commit applied locally is reported instead of applied twice, and
 //! anything the API no longer knows is destroyed (no orphans).
 
+pub mod endpoint;
 pub mod lease;
 pub mod metrics;
 pub mod registry;
