@@ -2,7 +2,8 @@
 # Prints the objects that register a ramify-api running on this machine (loopback)
 # with the local control plane: a selector-less Service, an EndpointSlice naming
 # 127.0.0.1:PORT (type FQDN: the API server refuses loopback IPs in IP slices), and
-# the APIService for subresources.ramify.dev. The API server routes to the slice's
+# the APIService for subresources.ramify.dev (FQDN slices are deprecated, and the API
+# server says so, but still served in 1.36). The API server routes to the slice's
 # address because up.sh starts it with --enable-aggregator-routing. In a real cluster
 # the Helm chart's Service selects the ramify-api pods instead.
 # Usage: hack/apiservice.sh NAMESPACE PORT CA_FILE | kubectl apply -f -
