@@ -289,8 +289,6 @@ async fn main() -> ExitCode {
 }
 
 async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     match cli.cmd {
         Command::Run {
             state,
@@ -305,14 +303,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             log_json,
             endpoint,
         } => {
-            if log_json {
-                tracing_subscriber::fmt()
-                    .json()
-                    .with_env_filter(filter)
-                    .init();
-            } else {
-                tracing_subscriber::fmt().with_env_filter(filter).init();
-            }
+            ramify_runtime::logging::init(log_json);
             if mode != "standalone" {
                 anyhow::bail!("--mode {mode}: only standalone placement is implemented");
             }
