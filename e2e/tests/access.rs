@@ -242,6 +242,33 @@ async fn exec_and_logs_are_authorized_per_namespace_by_rbac() {
         );
     }
 
+    // Output streams: the first line arrives while the command still runs.
+    let started = Instant::now();
+    let mut child = Command::new(ramify_e2e::binary("kubectl-ramify").unwrap())
+        .args([
+            "-n",
+            &a,
+            "exec",
+            "workspace",
+            "--",
+            "/bin/sh",
+            "-c",
+            "echo first; sleep 5; echo second",
+        ])
+        .env("KUBECONFIG", &alice)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    assert_eq!(lines.next().unwrap().unwrap(), "first");
+    assert!(
+        child.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(5),
+        "the first line came only after {:?}, with the command done",
+        started.elapsed()
+    );
+    assert_eq!(lines.next().unwrap().unwrap(), "second");
+    assert!(child.wait().unwrap().success());
+
     // ... and is Forbidden in the other's, by the API server's RBAC on the subresource.
     for (who, kc, other) in [("alice", &alice, &b), ("bob", &bob, &a)] {
         for args in [

@@ -235,6 +235,16 @@ pub fn render_diff(body: &[u8]) -> Result<String, serde_json::Error> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_diff_renders_one_line_per_change() {
+        let body = br#"{"added":[{"path":"/work/g","size":2}],"modified":[{"path":"/work/counter","size":12}],"deleted":[{"path":"/work/old","size":0}]}"#;
+        assert_eq!(
+            render_diff(body).unwrap(),
+            "A          2 /work/g\nM         12 /work/counter\nD          0 /work/old\n"
+        );
+        assert!(render_diff(b"not json").is_err());
+    }
+
     fn obj<T: serde::de::DeserializeOwned>(v: Value) -> T {
         serde_json::from_value(v).unwrap()
     }
