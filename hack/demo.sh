@@ -10,9 +10,13 @@ state="$repo/.ramify/demo"
 export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$repo/.ramify/controlplane}"
 node="$(hostname)"
 agent_state="/var/lib/ramify/demo-agent"
-rootfs="/var/lib/ramify/rootfs/busybox"
 # ramify-api's port: next to the control plane's (hack/controlplane/up.sh uses base+0..5).
 api_port=$(( ${RAMIFY_CP_PORT_BASE:-16440} + 6 ))
+# The agent's only rootfs root (the RootfsClass `busybox` points inside it) and its
+# cache of unpacked OCI layouts; neither overlaps the agent's state.
+rootfs_root="/var/lib/ramify/rootfs"
+rootfs="$rootfs_root/busybox"
+rootfs_cache="/var/lib/ramify/demo-rootfs-cache"
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 stop_pid() {
@@ -31,6 +35,7 @@ if [[ "${1:-}" == "down" ]]; then
     source "$RAMIFY_CP_DIR/env"
     say "deleting ramify objects (the node agent removes their sandboxes)"
     kubectl delete branchsets,snapshots,sandboxes --all --all-namespaces --wait=true --timeout=60s >/dev/null 2>&1 || true
+    kubectl delete rootfsclasses --all --wait=true --timeout=30s >/dev/null 2>&1 || true
   fi
   stop_pid api
   stop_pid operator
@@ -39,7 +44,7 @@ if [[ "${1:-}" == "down" ]]; then
     target/debug/ramify-node-agent cleanup --state-dir "$agent_state" || true
   fi
   hack/controlplane/down.sh
-  rm -rf "$state" "$agent_state"
+  rm -rf "$state" "$agent_state" "$rootfs_cache"
   say "stopped; nothing left running"
   exit 0
 fi
@@ -56,11 +61,12 @@ hack/controlplane/up.sh >/dev/null
 # shellcheck disable=SC1091
 source "$RAMIFY_CP_DIR/env"
 kubectl apply --server-side --field-manager ramify-demo -f crds/yaml/ramify.dev.yaml >/dev/null
-kubectl wait --for condition=Established crd/sandboxes.ramify.dev crd/snapshots.ramify.dev crd/branchsets.ramify.dev --timeout=60s >/dev/null
+kubectl wait --for condition=Established crd/sandboxes.ramify.dev crd/snapshots.ramify.dev crd/branchsets.ramify.dev crd/rootfsclasses.ramify.dev --timeout=60s >/dev/null
 kubectl create namespace ramify-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 
-say "preparing a busybox root file system at $rootfs"
+say "preparing a busybox root file system at $rootfs, declared as RootfsClass busybox (config/samples/rootfsclass.yaml)"
 target/debug/ramify-node-agent rootfs --out "$rootfs" >/dev/null
+kubectl apply -f config/samples/rootfsclass.yaml >/dev/null
 
 say "starting the operator, the node agent ($node) and ramify-api (subresources.ramify.dev)"
 stop_pid api; stop_pid operator; stop_pid node-agent
@@ -69,6 +75,7 @@ setsid target/debug/ramify-operator --metrics-addr 127.0.0.1:18080 >"$state/oper
 echo $! >"$state/operator.pid"
 # Its endpoint (exec, log, diff) serves ramify-api's client certificate only.
 setsid target/debug/ramify-node-agent --runsc "$runsc_bin" run --node-name "$node" --state-dir "$agent_state" \
+  --rootfs-root "$rootfs_root" --rootfs-cache "$rootfs_cache" \
   --metrics-addr 127.0.0.1:18081 --endpoint-listen 127.0.0.1:0 \
   --endpoint-cert "$pki/agent.crt" --endpoint-key "$pki/agent.key" --endpoint-client-ca "$pki/ca.crt" \
   >"$state/node-agent.log" 2>&1 </dev/null &

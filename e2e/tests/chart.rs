@@ -266,6 +266,8 @@ fn defaults_render_the_documented_deployment() {
         "--metrics-addr=0.0.0.0:8081",
         "--platform=systrap",
         "--mode=cluster",
+        "--rootfs-root=/var/lib/ramify-rootfs",
+        "--rootfs-cache=/var/cache/ramify/rootfs",
     ] {
         assert!(args.contains(&want), "agent args lack {want}: {args:?}");
     }
@@ -295,8 +297,22 @@ fn defaults_render_the_documented_deployment() {
         .collect();
     assert_eq!(
         host_paths,
-        ["/var/lib/ramify", "/run/netns", "/sys/fs/cgroup"]
+        [
+            "/var/lib/ramify",
+            "/var/lib/ramify-rootfs",
+            "/var/cache/ramify/rootfs",
+            "/run/netns",
+            "/sys/fs/cgroup"
+        ]
     );
+    // The administrator's root filesystems are mounted read-only.
+    let root = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == "/var/lib/ramify-rootfs")
+        .expect("the rootfs root mounted");
+    assert_eq!(root["readOnly"], true);
 
     // The agent's exec/log/diff endpoint: mTLS, announced as the pod IP, its
     // certificate from a Secret (not a host path).
@@ -755,6 +771,13 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
         (&agent, "patch", "sandboxes.ramify.dev/status", all, true),
         (&agent, "update", "snapshots.ramify.dev/status", all, true),
         (&agent, "get", "branchsets.ramify.dev", all, true),
+        // RootfsClasses are the administrator's: the agent reads them, nobody here writes.
+        (&agent, "watch", "rootfsclasses.ramify.dev", all, true),
+        (&agent, "get", "rootfsclasses.ramify.dev", all, true),
+        (&agent, "create", "rootfsclasses.ramify.dev", all, false),
+        (&agent, "patch", "rootfsclasses.ramify.dev", all, false),
+        (&op, "create", "rootfsclasses.ramify.dev", all, false),
+        (&op, "delete", "rootfsclasses.ramify.dev", all, false),
         (&agent, "create", "events.events.k8s.io", all, true),
         (&agent, "create", "sandboxes.ramify.dev", all, false),
         (&agent, "delete", "snapshots.ramify.dev", all, false),

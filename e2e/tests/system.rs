@@ -402,7 +402,7 @@ async fn a_branch_whose_snapshot_is_unusable_fails_and_never_starts_fresh() {
     // A branch of a snapshot that does not exist on any node.
     let bad: Sandbox = serde_json::from_value(serde_json::json!({
         "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "orphan-branch"},
-        "spec": {"rootfs": {"path": sys.rootfs}, "restoreFrom": {"snapshot": "never-captured"},
+        "spec": {"rootfs": {"class": sys.rootfs_class}, "restoreFrom": {"snapshot": "never-captured"},
                  "nodeName": sys.sandboxes().get("workspace").await.unwrap().status.unwrap().node_name}}))
     .unwrap();
     sys.sandboxes()

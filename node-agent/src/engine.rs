@@ -16,14 +16,18 @@ use crate::diff::{self, Diff, Manifest};
 use crate::error::{Error, Result};
 use crate::placement::{Cidr, Placed, Placement, PlacementRequest};
 use crate::rootfs::RootfsSource;
+use crate::roots::{PinnedDir, RootfsConfig, RootfsPolicy};
 use crate::runsc::{NetworkMode, Runsc, RunscConfig, SandboxCtx};
 use crate::spec::{self, BundleParams, WorkloadSpec};
 use crate::store::{SnapshotMeta, SnapshotStore, now_ms};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Holds `sandboxes/`, `snapshots/` and `rootfs-cache/`.
+    /// Holds `sandboxes/` and `snapshots/`; private to the agent (0700).
     pub state_dir: PathBuf,
+    /// Where root filesystems may come from (and where OCI layouts are unpacked).
+    /// `state_dir` is always protected: no root may overlap it.
+    pub rootfs: RootfsConfig,
     /// Prefix of every sandbox id (and netns name); the owning process id follows it,
     /// so leftovers of a dead agent can be told from live sandboxes.
     pub id_prefix: String,
@@ -68,6 +72,10 @@ impl Sandbox {
     pub fn control_dir(&self) -> PathBuf {
         self.dir.join("control")
     }
+    /// Where the sandbox's root filesystem is bind-mounted (read-only) for runsc.
+    pub fn rootfs_mount(&self) -> PathBuf {
+        self.dir.join(ROOTFS_MOUNT)
+    }
     fn bundle_dir(&self) -> PathBuf {
         self.dir.join("bundle")
     }
@@ -108,6 +116,7 @@ pub struct ForkOptions {
 
 struct Inner {
     cfg: EngineConfig,
+    rootfs: RootfsPolicy,
     runsc: Runsc,
     placement: Arc<dyn Placement>,
     store: SnapshotStore,
@@ -145,15 +154,19 @@ impl Engine {
             }
         }
         let runsc = Runsc::detect(cfg.runsc.clone()).await?;
+        // Everything the engine and its processes create is the agent's alone.
+        crate::private::restrict_umask();
+        crate::private::dir_all(&cfg.state_dir)?;
         let store = SnapshotStore::open(cfg.state_dir.join("snapshots"))?;
-        for d in ["sandboxes", "rootfs-cache"] {
-            let p = cfg.state_dir.join(d);
-            std::fs::create_dir_all(&p).map_err(|e| Error::io("create", &p, e))?;
-        }
+        crate::private::dir_all(&cfg.state_dir.join("sandboxes"))?;
+        let mut protected = cfg.rootfs.protected.clone();
+        protected.push(cfg.state_dir.clone());
+        let rootfs = RootfsPolicy::open(&cfg.rootfs, &protected)?;
         info!(version = %runsc.version(), caps = ?runsc.caps(), "engine ready");
         Ok(Engine {
             inner: Arc::new(Inner {
                 cfg,
+                rootfs,
                 runsc,
                 placement,
                 store,
@@ -174,6 +187,11 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.inner.cfg
+    }
+
+    /// Which directories may be a sandbox's root filesystem.
+    pub fn rootfs_policy(&self) -> &RootfsPolicy {
+        &self.inner.rootfs
     }
 
     fn new_id(&self) -> String {
@@ -279,21 +297,32 @@ impl Engine {
         Ok(())
     }
 
-    /// Create directories, placement, identity and bundle for a new sandbox id.
+    /// Create directories, placement, identity and bundle for a new sandbox id. The
+    /// bundle's root is a read-only bind mount of the pinned directory (the inode that
+    /// was checked), so nothing done to its path afterwards reaches the sandbox.
     async fn prepare(
         &self,
         name: &str,
         index: u32,
-        rootfs: PathBuf,
+        rootfs: PinnedDir,
         workload: WorkloadSpec,
         egress_allow: Vec<Cidr>,
         snapshot: Option<&str>,
     ) -> Result<Sandbox> {
         let id = self.new_id();
         let dir = self.inner.cfg.state_dir.join("sandboxes").join(&id);
-        std::fs::create_dir_all(dir.join("runsc-root"))
-            .map_err(|e| Error::io("create", &dir, e))?;
+        crate::private::dir_all(&dir.join("runsc-root"))?;
+        let mount = dir.join(ROOTFS_MOUNT);
+        let bound = std::fs::create_dir(&mount)
+            .map_err(|e| Error::io("create", &mount, e))
+            .and_then(|()| rootfs.bind_readonly(&mount));
+        if let Err(e) = bound {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        let rootfs = rootfs.path().to_path_buf();
         if let Err(e) = mount_control_dir(&dir.join("control")) {
+            crate::roots::unbind(&mount);
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
@@ -309,6 +338,7 @@ impl Engine {
             Ok(p) => p,
             Err(e) => {
                 unmount_control_dir(&dir.join("control"));
+                crate::roots::unbind(&mount);
                 let _ = std::fs::remove_dir_all(&dir);
                 return Err(e);
             }
@@ -351,7 +381,7 @@ impl Engine {
             let cfg = spec::oci_config(
                 &sb.workload,
                 &BundleParams {
-                    rootfs: &sb.rootfs,
+                    rootfs: &sb.rootfs_mount(),
                     control_dir: &sb.control_dir(),
                     netns: sb.placed.netns.as_deref(),
                     cgroups_path: &sb.placed.cgroups_path,
@@ -370,10 +400,7 @@ impl Engine {
     #[instrument(skip(self, req), fields(name = %req.name))]
     pub async fn start(&self, req: StartRequest) -> Result<Sandbox> {
         req.workload.validate()?;
-        let rootfs = req
-            .rootfs
-            .resolve(&self.inner.cfg.state_dir.join("rootfs-cache"))
-            .await?;
+        let rootfs = req.rootfs.resolve(&self.inner.rootfs).await?;
         let sb = self
             .prepare(&req.name, 0, rootfs, req.workload, req.egress_allow, None)
             .await?;
@@ -578,11 +605,14 @@ impl Engine {
             .iter()
             .map(|c| c.parse())
             .collect::<Result<_>>()?;
+        // Checked again: the snapshot names a path, and what is there now must still be
+        // inside an allowed root.
+        let rootfs = self.inner.rootfs.pin(&meta.rootfs)?;
         let mut sb = self
             .prepare(
                 name,
                 index,
-                meta.rootfs.clone(),
+                rootfs,
                 meta.workload.clone(),
                 egress,
                 Some(&meta.id),
@@ -929,6 +959,7 @@ impl Engine {
             first.get_or_insert(e);
         }
         unmount_control_dir(&sb.control_dir());
+        crate::roots::unbind(&sb.rootfs_mount());
         if let Err(e) = std::fs::remove_dir_all(&sb.dir)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -986,11 +1017,10 @@ impl Engine {
     /// Records a sandbox in its directory (`sandbox.json`, written atomically) so a
     /// restarted agent can re-adopt it.
     pub fn persist(&self, sb: &Sandbox) -> Result<()> {
-        let path = sb.dir.join("sandbox.json");
-        let tmp = sb.dir.join(".sandbox.json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(sb)?)
-            .map_err(|e| Error::io("write", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))
+        crate::private::write_atomic(
+            &sb.dir.join("sandbox.json"),
+            &serde_json::to_vec_pretty(sb)?,
+        )
     }
 
     /// Every sandbox recorded with [`Engine::persist`] under this state directory,
@@ -1230,12 +1260,15 @@ pub const CONTROL_QUOTA_BYTES: u64 =
 /// Files and directories the control directory may hold.
 pub const CONTROL_QUOTA_INODES: u64 = 4 * control::MAX_EFFECTS as u64;
 
+/// Name of the rootfs bind mount in a sandbox directory.
+const ROOTFS_MOUNT: &str = "rootfs";
+
 /// Mounts the size- and inode-limited tmpfs a sandbox's control directory lives on (a
 /// hostile workload cannot fill the node's disk through `/run/ramify`).
 fn mount_control_dir(dir: &Path) -> Result<()> {
     use nix::mount::{MsFlags, mount};
-    std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
-    let opts = format!("size={CONTROL_QUOTA_BYTES},nr_inodes={CONTROL_QUOTA_INODES},mode=0755");
+    crate::private::dir_all(dir)?;
+    let opts = format!("size={CONTROL_QUOTA_BYTES},nr_inodes={CONTROL_QUOTA_INODES},mode=0700");
     mount(
         Some("ramify-control"),
         dir,

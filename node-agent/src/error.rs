@@ -61,6 +61,11 @@ pub enum Error {
     Network(String),
     #[error("rootfs: {0}")]
     Rootfs(String),
+    /// A root filesystem outside what the node's administrator allowed (not inside a
+    /// `--rootfs-root`, escaping one through a symlink or `..`, or overlapping the
+    /// agent's own state). Never retried: the sandbox does not start.
+    #[error("rootfs refused: {0}")]
+    RootfsRefused(String),
     #[error("sandbox {id}: {reason}")]
     Sandbox { id: String, reason: String },
     #[error("invalid request: {0}")]

@@ -17,6 +17,7 @@ use ramify_node_agent::agent::metrics::AgentMetrics;
 use ramify_node_agent::agent::registry::Registry;
 use ramify_node_agent::agent::{self, Agent, AgentConfig};
 use ramify_node_agent::placement::{Standalone, StandaloneConfig};
+use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{Runsc, RunscConfig};
 use ramify_node_agent::store::SnapshotStore;
 use ramify_node_agent::{Engine, EngineConfig};
@@ -80,6 +81,34 @@ impl EndpointArgs {
     }
 }
 
+/// Where root filesystems may come from.
+#[derive(clap::Args, Clone)]
+struct RootfsArgs {
+    /// A directory inside which RootfsClass paths may lie (repeatable). A class whose
+    /// path is elsewhere, or leads out of its root through a symlink or `..`, is
+    /// refused. No root may overlap --state-dir.
+    #[arg(
+        long = "rootfs-root",
+        env = "RAMIFY_ROOTFS_ROOTS",
+        value_delimiter = ','
+    )]
+    roots: Vec<PathBuf>,
+    /// Where OCI image layouts named by RootfsClasses are unpacked (created 0700;
+    /// must not overlap --state-dir).
+    #[arg(
+        long = "rootfs-cache",
+        env = "RAMIFY_ROOTFS_CACHE",
+        default_value = DEFAULT_ROOTFS_CACHE
+    )]
+    cache: PathBuf,
+}
+
+const DEFAULT_ROOTFS_CACHE: &str = "/var/cache/ramify/rootfs";
+
+fn default_rootfs_cache() -> PathBuf {
+    DEFAULT_ROOTFS_CACHE.into()
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the node agent.
@@ -111,6 +140,8 @@ enum Command {
         /// Cgroup under which every sandbox gets its own (standalone).
         #[arg(long, default_value = DEFAULT_CGROUP_PARENT)]
         cgroup_parent: String,
+        #[command(flatten)]
+        rootfs: RootfsArgs,
         /// Log as JSON.
         #[arg(long, env = "RAMIFY_LOG_JSON", default_value_t = false)]
         log_json: bool,
@@ -168,30 +199,36 @@ enum Command {
 }
 
 async fn engine(
-    cli_runsc: &Path,
-    platform: &str,
+    s: &AgentSettings,
     state_dir: &Path,
-    bridge: &str,
-    subnet: &str,
-    cgroup_parent: &str,
     owner: Option<String>,
 ) -> anyhow::Result<Engine> {
+    // The agent's state is private (snapshot images hold sandboxes' memory): umask
+    // 077 for this process and every one it starts, before anything is created.
+    ramify_node_agent::private::restrict_umask();
+    ramify_node_agent::private::dir_all(state_dir)?;
     let placement = Standalone::new(StandaloneConfig {
         cni_bin_dir: "/usr/lib/cni".into(),
-        bridge: bridge.into(),
-        subnet: subnet.into(),
+        bridge: s.bridge.clone(),
+        subnet: s.subnet.clone(),
         ipam_dir: state_dir.join("ipam"),
         conf_dir: state_dir.join("cni"),
-        cgroup_parent: cgroup_parent.into(),
+        cgroup_parent: s.cgroup_parent.clone(),
     })?;
     Ok(Engine::new(
         EngineConfig {
             state_dir: state_dir.join("engine"),
+            rootfs: RootfsConfig {
+                roots: s.rootfs_roots.clone(),
+                cache: s.rootfs_cache.clone(),
+                // The whole agent state (registry, IPAM, settings), not only the engine's.
+                protected: vec![state_dir.to_path_buf()],
+            },
             id_prefix: "ramify-".into(),
             id_owner: owner,
             runsc: RunscConfig {
-                binary: cli_runsc.to_path_buf(),
-                platform: platform.parse()?,
+                binary: s.runsc.clone(),
+                platform: s.platform.parse()?,
                 ..RunscConfig::default()
             },
             exec_timeout: Duration::from_secs(600),
@@ -211,6 +248,10 @@ struct AgentSettings {
     subnet: String,
     #[serde(default = "default_cgroup_parent")]
     cgroup_parent: String,
+    #[serde(default)]
+    rootfs_roots: Vec<PathBuf>,
+    #[serde(default = "default_rootfs_cache")]
+    rootfs_cache: PathBuf,
 }
 
 const DEFAULT_CGROUP_PARENT: &str = "/ramify";
@@ -238,17 +279,16 @@ async fn local_engine(
             bridge: "ramify0".into(),
             subnet: "10.88.0.0/16".into(),
             cgroup_parent: default_cgroup_parent(),
+            rootfs_roots: Vec::new(),
+            rootfs_cache: default_rootfs_cache(),
         });
-    engine(
-        &s.runsc,
-        &s.platform,
-        state_dir,
-        &s.bridge,
-        &s.subnet,
-        &s.cgroup_parent,
-        Some("node".into()),
-    )
-    .await
+    // exec, logs, diff and cleanup never start a sandbox from a root filesystem: no
+    // root needs to be opened (nor to still exist).
+    let s = AgentSettings {
+        rootfs_roots: Vec::new(),
+        ..s
+    };
+    engine(&s, state_dir, Some("node".into())).await
 }
 
 /// The engine over a node's state and the sandbox recorded there for `namespace/name`.
@@ -300,6 +340,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             bridge,
             subnet,
             cgroup_parent,
+            rootfs,
             log_json,
             endpoint,
         } => {
@@ -307,26 +348,19 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             if mode != "standalone" {
                 anyhow::bail!("--mode {mode}: only standalone placement is implemented");
             }
-            let engine = engine(
-                &cli.runsc,
-                &cli.platform,
-                &state.state_dir,
-                &bridge,
-                &subnet,
-                &cgroup_parent,
-                Some("node".into()),
-            )
-            .await?;
             let settings = AgentSettings {
                 runsc: std::fs::canonicalize(&cli.runsc).unwrap_or_else(|_| cli.runsc.clone()),
                 platform: cli.platform.clone(),
                 bridge: bridge.clone(),
                 subnet: subnet.clone(),
                 cgroup_parent: cgroup_parent.clone(),
+                rootfs_roots: rootfs.roots.clone(),
+                rootfs_cache: rootfs.cache.clone(),
             };
-            std::fs::write(
-                settings_path(&state.state_dir),
-                serde_json::to_vec_pretty(&settings)?,
+            let engine = engine(&settings, &state.state_dir, Some("node".into())).await?;
+            ramify_node_agent::private::write_atomic(
+                &settings_path(&state.state_dir),
+                &serde_json::to_vec_pretty(&settings)?,
             )?;
             let client = kube::Client::try_default().await?;
             let version = agent::short_version(engine.runsc().version()).to_string();

@@ -155,24 +155,8 @@ async fn egress_is_denied_by_default_and_opened_by_allowlist() {
 async fn abort_and_failed_restore_leave_nothing_behind() {
     let h = harness("abort").await;
     // A private copy of the rootfs so it can be taken away to make a restore fail.
-    let rootfs = h.dir.join("rootfs-copy");
-    let st = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(&h.rootfs)
-        .arg(&rootfs)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let mut parent = h
-        .engine
-        .start(ramify_node_agent::StartRequest {
-            name: "parent".into(),
-            rootfs: ramify_node_agent::rootfs::RootfsSource::Dir(rootfs.clone()),
-            workload: h.workload(COUNTER),
-            egress_allow: vec![],
-        })
-        .await
-        .unwrap();
+    let rootfs = h.own_rootfs("rootfs-copy");
+    let mut parent = h.start_from("parent", &rootfs, COUNTER, vec![]).await;
     let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
     // Abort a healthy branch.
     let mut br = h

@@ -254,12 +254,12 @@ mod tests {
         let sandboxes: Vec<Sandbox> = vec![
             obj(
                 json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "ws"},
-                "spec": {"rootfs": {"path": "/r"}, "command": ["sh"]},
+                "spec": {"rootfs": {"class": "busybox"}, "command": ["sh"]},
                 "status": {"phase": "Running", "nodeName": "n1", "commits": 1}}),
             ),
             obj(
                 json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "bs-a"},
-                "spec": {"rootfs": {"path": "/r"}, "restoreFrom": {"snapshot": "bs-base", "branch": {"branchSet": "bs", "name": "a", "index": 0}}},
+                "spec": {"rootfs": {"class": "busybox"}, "restoreFrom": {"snapshot": "bs-base", "branch": {"branchSet": "bs", "name": "a", "index": 0}}},
                 "status": {"phase": "Running"}}),
             ),
         ];

@@ -12,6 +12,7 @@ pub mod endpoint;
 pub mod lease;
 pub mod metrics;
 pub mod registry;
+mod rootfs_class;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -29,8 +30,8 @@ use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use ramify_crds::{
     BranchSet, BranchSetPhase, ChangeKind, CommitMode, Condition, ConditionStatus, ConditionsExt,
-    DiffSummary, FINALIZER_NODE_CLEANUP, FileChange, Sandbox as SandboxObj, SandboxPhase,
-    Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
+    DiffSummary, FINALIZER_NODE_CLEANUP, FileChange, REASON_ROOTFS_REFUSED, Sandbox as SandboxObj,
+    SandboxPhase, Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
 };
 use serde_json::json;
 use tokio::sync::Mutex as AsyncMutex;
@@ -226,6 +227,7 @@ fn error_category(e: &Error) -> &'static str {
         Error::CorruptImage { .. } => "corrupt_image",
         Error::Network(_) => "network",
         Error::Rootfs(_) => "rootfs",
+        Error::RootfsRefused(_) => "rootfs_refused",
         Error::Sandbox { .. } => "sandbox",
         Error::Invalid(_) => "invalid",
         Error::Json(_) => "serialization",
@@ -569,22 +571,34 @@ impl Agent {
         let t0 = Instant::now();
         let started = match &obj.spec.restore_from {
             Some(rf) => self.restore_branch(obj, rf).await,
-            None => {
-                self.write_sandbox_status(
-                    obj,
-                    SandboxPhase::Starting,
-                    None,
-                    (false, "Starting", "starting".into()),
-                    json!({}),
-                )
-                .await?;
-                self.start_fresh(obj).await.map(|sb| (sb, json!({})))
-            }
+            None => match self.fresh_source(obj).await {
+                // A failed API read is not the sandbox's fault: retried, not Failed.
+                Err(e @ Error::Kube(_)) => return Err(e),
+                Err(e) => Err(e),
+                Ok((class, source)) => {
+                    self.write_sandbox_status(
+                        obj,
+                        SandboxPhase::Starting,
+                        None,
+                        (false, "Starting", "starting".into()),
+                        json!({}),
+                    )
+                    .await?;
+                    self.start_fresh(obj, source.clone())
+                        .await
+                        .map(|sb| (sb, json!({})))
+                        .map_err(|e| rootfs_class::name_the_field(&class, &source, e))
+                }
+            },
         };
         let (sb, extra) = match started {
             Ok(x) => x,
             Err(e) => {
-                let reason = if obj.spec.restore_from.is_some() {
+                // Refused at the first reconcile and never retried: the spec's rootfs
+                // is immutable, so a retry could only be refused again.
+                let reason = if matches!(e, Error::RootfsRefused(_)) {
+                    REASON_ROOTFS_REFUSED
+                } else if obj.spec.restore_from.is_some() {
                     "RestoreFailed"
                 } else {
                     "StartFailed"
@@ -646,26 +660,20 @@ impl Agent {
         Ok(Action::requeue(Duration::from_secs(10)))
     }
 
-    async fn start_fresh(&self, obj: &SandboxObj) -> Result<Sandbox> {
-        let rootfs = match (&obj.spec.rootfs, &obj.spec.image) {
-            (Some(r), _) => match &r.oci_ref {
-                Some(reference) => RootfsSource::OciLayout {
-                    path: r.path.clone().into(),
-                    reference: Some(reference.clone()),
-                },
-                None => RootfsSource::Dir(r.path.clone().into()),
-            },
-            (None, Some(image)) => {
-                return Err(Error::Invalid(format!(
-                    "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs"
-                )));
-            }
-            (None, None) => {
-                return Err(Error::Invalid(
-                    "neither spec.rootfs nor spec.image is set".into(),
-                ));
-            }
-        };
+    /// Which RootfsClass a fresh sandbox names, and what it points to.
+    async fn fresh_source(&self, obj: &SandboxObj) -> Result<(String, RootfsSource)> {
+        match (&obj.spec.rootfs, &obj.spec.image) {
+            (Some(r), _) => rootfs_class::source_of(&self.client, r).await,
+            (None, Some(image)) => Err(Error::Invalid(format!(
+                "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs.class"
+            ))),
+            (None, None) => Err(Error::Invalid(
+                "neither spec.rootfs nor spec.image is set".into(),
+            )),
+        }
+    }
+
+    async fn start_fresh(&self, obj: &SandboxObj, rootfs: RootfsSource) -> Result<Sandbox> {
         self.engine
             .start(StartRequest {
                 name: obj.name_any(),

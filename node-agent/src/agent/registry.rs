@@ -4,11 +4,12 @@
 //! new record, never half of one; the agent resumes from it after a restart.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::private::write_atomic;
 
 /// A Sandbox object backed by a local sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,12 +50,6 @@ pub struct Registry {
     dir: PathBuf,
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(|e| Error::io("write", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io("rename", path, e))
-}
-
 fn valid_uid(uid: &str) -> Result<()> {
     if uid.is_empty()
         || uid.len() > 64
@@ -69,8 +64,7 @@ impl Registry {
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
         for sub in ["sandboxes", "snapshots"] {
-            let d = dir.join(sub);
-            std::fs::create_dir_all(&d).map_err(|e| Error::io("create", &d, e))?;
+            crate::private::dir_all(&dir.join(sub))?;
         }
         Ok(Self { dir })
     }
