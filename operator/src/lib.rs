@@ -7,6 +7,7 @@ pub mod branchset;
 pub mod context;
 pub mod effects;
 pub mod error;
+pub mod gauges;
 pub mod leader;
 pub mod metrics;
 pub mod nodes;
@@ -237,6 +238,7 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         Api::<DeserializeGuard<BranchSet>>::all(client.clone()),
         cfg.clone(),
     );
+    let store_for_gauges = bs_ctl.store();
     let store_for_parents = bs_ctl.store();
     let store_for_snaps = bs_ctl.store();
     let branchsets = bs_ctl
@@ -270,5 +272,6 @@ pub async fn run_controllers(ctx: Arc<Context>) {
     tokio::select! {
         _ = async { tokio::join!(sandboxes, snapshots, branchsets) } => {}
         _ = async { tokio::join!(sandbox_watch, snapshot_watch) } => {}
+        () = gauges::sweep_forever(&ctx, store_for_gauges) => {}
     }
 }
