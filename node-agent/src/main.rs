@@ -16,6 +16,7 @@ use ramify_node_agent::agent::registry::Registry;
 use ramify_node_agent::agent::{self, Agent, AgentConfig};
 use ramify_node_agent::placement::{Standalone, StandaloneConfig};
 use ramify_node_agent::runsc::{Runsc, RunscConfig};
+use ramify_node_agent::settings::{self, AgentSettings, DEFAULT_CGROUP_PARENT};
 use ramify_node_agent::store::SnapshotStore;
 use ramify_node_agent::{Engine, EngineConfig};
 use tracing::error;
@@ -163,44 +164,28 @@ async fn engine(
     .await?)
 }
 
-/// How the running agent drives runsc, recorded in its state directory so the local
-/// subcommands (exec, logs, diff, cleanup) use the same runsc build and network.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct AgentSettings {
-    runsc: PathBuf,
-    platform: String,
-    bridge: String,
-    subnet: String,
-    #[serde(default = "default_cgroup_parent")]
-    cgroup_parent: String,
-}
-
-const DEFAULT_CGROUP_PARENT: &str = "/ramify";
-
-fn default_cgroup_parent() -> String {
-    DEFAULT_CGROUP_PARENT.into()
-}
-
-fn settings_path(state_dir: &Path) -> PathBuf {
-    state_dir.join("agent.json")
-}
-
 /// The engine over a node's state, as its agent configured it.
 async fn local_engine(
     cli_runsc: &Path,
     platform: &str,
     state_dir: &Path,
 ) -> anyhow::Result<Engine> {
-    let s = std::fs::read(settings_path(state_dir))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<AgentSettings>(&b).ok())
-        .unwrap_or(AgentSettings {
-            runsc: cli_runsc.to_path_buf(),
-            platform: platform.to_string(),
-            bridge: "ramify0".into(),
-            subnet: "10.88.0.0/16".into(),
-            cgroup_parent: default_cgroup_parent(),
-        });
+    let s = match settings::load(state_dir)? {
+        Some(s) => s,
+        None => {
+            eprintln!(
+                "note: no {} (no agent ran on this state directory): using --runsc, --platform and the default network and cgroup parent",
+                settings::path(state_dir).display()
+            );
+            AgentSettings {
+                runsc: cli_runsc.to_path_buf(),
+                platform: platform.to_string(),
+                bridge: "ramify0".into(),
+                subnet: "10.88.0.0/16".into(),
+                cgroup_parent: DEFAULT_CGROUP_PARENT.into(),
+            }
+        }
+    };
     engine(
         &s.runsc,
         &s.platform,
@@ -235,14 +220,23 @@ async fn find(
         .split_once('/')
         .ok_or_else(|| anyhow::anyhow!("expected NAMESPACE/NAME, got {key:?}"))?;
     let registry = Registry::open(state_dir.join("registry"))?;
-    let rec = registry
-        .sandboxes()?
-        .into_values()
+    let listing = registry.sandboxes()?;
+    for bad in &listing.corrupt {
+        eprintln!(
+            "warning: skipping registry record {}: {}",
+            bad.path.display(),
+            bad.error
+        );
+    }
+    let rec = listing
+        .records
+        .into_iter()
         .find(|r| r.namespace == ns && r.name == name)
         .ok_or_else(|| anyhow::anyhow!("no sandbox {key} on this node"))?;
     engine
         .recover()
         .await?
+        .sandboxes
         .into_iter()
         .find(|s| s.id == rec.sandbox_id)
         .ok_or_else(|| anyhow::anyhow!("sandbox {key} ({}) has no local state", rec.sandbox_id))
@@ -297,20 +291,17 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some("node".into()),
             )
             .await?;
-            let settings = AgentSettings {
+            let recorded = AgentSettings {
                 runsc: std::fs::canonicalize(&cli.runsc).unwrap_or_else(|_| cli.runsc.clone()),
                 platform: cli.platform.clone(),
                 bridge: bridge.clone(),
                 subnet: subnet.clone(),
                 cgroup_parent: cgroup_parent.clone(),
             };
-            std::fs::write(
-                settings_path(&state.state_dir),
-                serde_json::to_vec_pretty(&settings)?,
-            )?;
+            settings::store(&state.state_dir, &recorded)?;
             let client = kube::Client::try_default().await?;
             let version = agent::short_version(engine.runsc().version()).to_string();
-            let metrics = AgentMetrics::new(&version);
+            let metrics = AgentMetrics::new(&version, engine.cleanup_failures());
             let health = ramify_runtime::Health::default();
             tokio::spawn({
                 let (registry, h) = (metrics.registry.clone(), health.clone());
@@ -387,7 +378,18 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Cleanup { state } => {
             let engine = local_engine(&cli.runsc, &cli.platform, &state.state_dir).await?;
-            for sb in engine.recover().await? {
+            let recovered = engine.recover().await?;
+            for bad in recovered.unreadable {
+                eprintln!(
+                    "warning: {} does not parse ({}); destroying its sandbox",
+                    bad.path.display(),
+                    bad.error
+                );
+                let id = bad.handle.id.clone();
+                engine.destroy(bad.handle).await?;
+                println!("destroyed sandbox {id}");
+            }
+            for sb in recovered.sandboxes {
                 let id = sb.id.clone();
                 engine.destroy(sb).await?;
                 println!("destroyed sandbox {id}");

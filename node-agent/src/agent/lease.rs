@@ -24,9 +24,14 @@ pub struct Announcement {
     pub duration: Duration,
 }
 
+/// The name of `node`'s Lease.
+pub fn lease_name(node: &str) -> String {
+    format!("ramify-node-{node}")
+}
+
 impl Announcement {
     pub fn lease_name(&self) -> String {
-        format!("ramify-node-{}", self.node)
+        lease_name(&self.node)
     }
 }
 
