@@ -88,8 +88,8 @@ impl Settler {
 
     /// Settles the outcome `res` of reconciling `obj`. A permanent error (by its
     /// `category`) becomes `Ok(await_change)` once reported, and is counted with
-    /// `count`; if the report cannot be written, the error goes back to the error
-    /// policy (retried on a timer, so it is not lost).
+    /// `count`; if the report cannot be written (for another reason than RBAC), the
+    /// error goes back to the error policy (retried on a timer, so it is not lost).
     pub async fn settle<K, E: Display>(
         &self,
         client: &Client,
@@ -123,7 +123,12 @@ impl Settler {
         if let Some(c) = self.reporter.failure(obj, &reason, &err.to_string()) {
             if let Err(e) = self.reporter.write(&api, obj, &c).await {
                 warn!(controller, object = %obj.name_any(), error = %e, "could not report the failure in status");
-                return Err(err);
+                // Not allowed to write that status at all (the node agent may not
+                // write a BranchSet's): the Event alone reports it. Any other failure
+                // to report goes back to a timed retry, so the report is not lost.
+                if !matches!(&e, kube::Error::Api(s) if s.code == 403) {
+                    return Err(err);
+                }
             }
             crate::events::publish(
                 &self.recorder,
