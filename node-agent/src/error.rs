@@ -98,8 +98,11 @@ impl Error {
     }
 
     /// Whether no retry can fix it (see [`ramify_runtime::backoff::is_permanent`]).
+    /// The engine's own refusals (`Invalid`) are not: they concern live sandboxes,
+    /// which change under it (a file the workload rewrites while a Paths commit packs
+    /// it fails the tarball check once and passes on a retry), so they back off.
     pub fn is_permanent(&self) -> bool {
-        ramify_runtime::backoff::is_permanent(self.category())
+        !matches!(self, Error::Invalid(_)) && ramify_runtime::backoff::is_permanent(self.category())
     }
 
     pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
@@ -108,6 +111,15 @@ impl Error {
             path: path.into(),
             source,
         }
+    }
+}
+
+impl ramify_runtime::settle::Classified for Error {
+    fn category(&self) -> &'static str {
+        Error::category(self)
+    }
+    fn is_permanent(&self) -> bool {
+        Error::is_permanent(self)
     }
 }
 

@@ -70,7 +70,7 @@ where
                 return res;
             };
             ctx.settler
-                .settle(&ctx.client, controller, o, res, Error::category, |c| {
+                .settle(&ctx.client, controller, o, res, |c| {
                     ctx.metrics.failed(controller, c)
                 })
                 .await

@@ -58,6 +58,15 @@ impl Error {
     }
 }
 
+impl ramify_runtime::settle::Classified for Error {
+    fn category(&self) -> &'static str {
+        Error::category(self)
+    }
+    fn is_permanent(&self) -> bool {
+        Error::is_permanent(self)
+    }
+}
+
 /// Whether a kube error is a 404.
 pub fn is_not_found(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(s) if s.code == 404)

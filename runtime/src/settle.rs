@@ -13,13 +13,21 @@ use kube::runtime::events::Recorder;
 use kube::{Client, Resource, ResourceExt};
 use tracing::warn;
 
-use crate::backoff::{Policy, Tracker, is_permanent, reason_of};
+use crate::backoff::{Policy, Tracker, reason_of};
 use crate::failure::{Reportable, Reporter};
 
 /// Conflicts in a row retried at once (another writer was first: a re-read usually
 /// settles it); past this they back off like any other failure.
 const QUICK_CONFLICTS: u32 = 3;
 const QUICK_RETRY: Duration = Duration::from_millis(10);
+
+/// An error as the controllers classify it.
+pub trait Classified: Display {
+    /// A short, stable label (metrics, and the reason of a reported failure).
+    fn category(&self) -> &'static str;
+    /// Whether no retry can fix it.
+    fn is_permanent(&self) -> bool;
+}
 
 /// One binary's retry state and failure reporting.
 pub struct Settler {
@@ -86,17 +94,16 @@ impl Settler {
         Action::requeue(delay)
     }
 
-    /// Settles the outcome `res` of reconciling `obj`. A permanent error (by its
-    /// `category`) becomes `Ok(await_change)` once reported, and is counted with
+    /// Settles the outcome `res` of reconciling `obj`. A permanent error (its
+    /// category is the reason reported) becomes `Ok(await_change)` once reported, and is counted with
     /// `count`; if the report cannot be written (for another reason than RBAC), the
     /// error goes back to the error policy (retried on a timer, so it is not lost).
-    pub async fn settle<K, E: Display>(
+    pub async fn settle<K, E: Classified>(
         &self,
         client: &Client,
         controller: &str,
         obj: &K,
         res: Result<Action, E>,
-        category: impl Fn(&E) -> &'static str,
         count: impl Fn(&'static str),
     ) -> Result<Action, E>
     where
@@ -113,12 +120,12 @@ impl Settler {
                 }
                 return Ok(action);
             }
-            Err(err) if is_permanent(category(&err)) => err,
+            Err(err) if err.is_permanent() => err,
             Err(err) => return Err(err),
         };
-        count(category(&err));
+        count(err.category());
         self.tracker.succeeded(&key(controller, obj));
-        let reason = reason_of(category(&err));
+        let reason = reason_of(err.category());
         warn!(controller, object = %obj.name_any(), error = %err, "permanent failure: reported, retried when the object changes");
         if let Some(c) = self.reporter.failure(obj, &reason, &err.to_string()) {
             if let Err(e) = self.reporter.write(&api, obj, &c).await {

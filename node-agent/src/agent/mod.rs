@@ -929,7 +929,7 @@ impl Agent {
             .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
         // One watcher of the verdict file per branch, bounded whatever the workload
         // writes (see `verdict_watch`); it needs no lock on the sandbox.
-        let watch = {
+        let mut watch = {
             let g = h.lock().await;
             let sb = g
                 .as_ref()
@@ -1002,7 +1002,10 @@ impl Agent {
             std::future::pending().await
         };
         let watch_file = async {
-            let v = match watch.verdict().await {
+            // The sandbox as it is now (a Full commit into this branch swaps it); not
+            // known while a command holds it, and no commit swaps it meanwhile.
+            let current = || h.try_lock().ok()?.as_ref().map(Sandbox::control_dir);
+            let v = match watch.verdict(current).await {
                 Verdict::Commit => VerdictValue::Commit,
                 Verdict::Abort => VerdictValue::Abort,
             };

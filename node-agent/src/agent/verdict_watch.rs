@@ -147,28 +147,38 @@ impl VerdictWatch {
     }
 
     /// Returns the verdict once the workload has written one.
-    pub async fn verdict(&self) -> Verdict {
-        let poll = if self.events.is_some() {
-            SAFETY_POLL
-        } else {
-            FALLBACK_POLL
-        };
+    /// Returns the verdict once the workload has written one. `current` names the
+    /// sandbox's control directory as it is now (`None`: unknown at the moment): a
+    /// Full commit into this branch swaps its sandbox for the winner's, whose control
+    /// directory is another, and the watcher follows.
+    pub async fn verdict(&mut self, current: impl Fn() -> Option<PathBuf>) -> Verdict {
         let mut last_read: Option<Instant> = None;
         loop {
             if let Some(at) = last_read {
                 tokio::time::sleep_until(at + MIN_INTERVAL).await;
             }
+            if let Some(dir) = current().filter(|d| *d != self.dir) {
+                *self = Self {
+                    reads: self.reads.clone(),
+                    ..Self::new(dir)
+                };
+            }
             last_read = Some(Instant::now());
             if let Some(v) = self.read() {
                 return v;
             }
+            let poll = if self.events.is_some() {
+                SAFETY_POLL
+            } else {
+                FALLBACK_POLL
+            };
             self.event(poll).await;
         }
     }
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 
@@ -176,7 +186,7 @@ mod tests {
     async fn a_verdict_is_seen_at_once_however_it_is_written() {
         for how in ["write", "rename"] {
             let d = tempfile::tempdir().unwrap();
-            let w = VerdictWatch::new(d.path().to_path_buf());
+            let mut w = VerdictWatch::new(d.path().to_path_buf());
             assert!(
                 w.uses_inotify(),
                 "inotify is available on a Linux test host"
@@ -193,7 +203,7 @@ mod tests {
                 }
                 t
             });
-            let v = tokio::time::timeout(Duration::from_secs(10), w.verdict())
+            let v = tokio::time::timeout(Duration::from_secs(10), w.verdict(|| None))
                 .await
                 .unwrap();
             let written = writer.await.unwrap();
@@ -220,7 +230,7 @@ mod tests {
     async fn a_workload_writing_in_a_loop_cannot_make_the_watcher_read_more() {
         let d = tempfile::tempdir().unwrap();
         std::fs::create_dir(d.path().join("effects")).unwrap();
-        let w = VerdictWatch::new(d.path().to_path_buf());
+        let mut w = VerdictWatch::new(d.path().to_path_buf());
         let reads = w.reads();
         let dir = d.path().to_path_buf();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -243,7 +253,7 @@ mod tests {
         });
         let run = Duration::from_secs(2);
         let t0 = std::time::Instant::now();
-        let got = tokio::time::timeout(run, w.verdict()).await;
+        let got = tokio::time::timeout(run, w.verdict(|| None)).await;
         assert!(got.is_err(), "no valid verdict was written");
         stop.store(true, Ordering::Relaxed);
         let writes = hammer.join().unwrap();
@@ -262,7 +272,7 @@ mod tests {
         );
         // And a valid verdict written now is still seen.
         std::fs::write(d.path().join("verdict"), "commit").unwrap();
-        let v = tokio::time::timeout(Duration::from_secs(2), w.verdict())
+        let v = tokio::time::timeout(Duration::from_secs(2), w.verdict(|| None))
             .await
             .unwrap();
         assert_eq!(v, Verdict::Commit);
@@ -271,12 +281,33 @@ mod tests {
     #[tokio::test]
     async fn without_inotify_it_polls() {
         let d = tempfile::tempdir().unwrap();
-        let w = VerdictWatch {
+        let mut w = VerdictWatch {
             dir: d.path().to_path_buf(),
             events: None,
             reads: Arc::default(),
         };
         std::fs::write(d.path().join("verdict"), "abort").unwrap();
-        assert_eq!(w.verdict().await, Verdict::Abort);
+        assert_eq!(w.verdict(|| None).await, Verdict::Abort);
+    }
+
+    /// A Full commit into the branch swaps its sandbox (and control directory) for the
+    /// winner's: a verdict written in the new one is seen.
+    #[tokio::test]
+    async fn the_watcher_follows_the_sandbox_to_its_new_control_directory() {
+        let (old, new) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let mut w = VerdictWatch::new(old.path().to_path_buf());
+        let swapped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (new_dir, flag) = (new.path().to_path_buf(), swapped.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            flag.store(true, Ordering::Relaxed);
+            std::fs::write(new_dir.join("verdict"), "commit").unwrap();
+        });
+        let new_dir = new.path().to_path_buf();
+        let current = || swapped.load(Ordering::Relaxed).then(|| new_dir.clone());
+        let v = tokio::time::timeout(Duration::from_secs(5), w.verdict(current))
+            .await
+            .expect("the verdict in the new control directory was not seen");
+        assert_eq!(v, Verdict::Commit);
     }
 }
