@@ -40,7 +40,13 @@ async fn a_corrupt_registry_record_is_skipped_and_reported_and_the_resume_goes_o
     };
     sys.wait_sandbox("other", "Running", 120, running).await;
     let sbx = sys.sandboxes();
-    let workspace_id = sbx.get("workspace").await.unwrap().status.unwrap().sandbox_id;
+    let workspace_id = sbx
+        .get("workspace")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .sandbox_id;
     let other_uid = sbx.get("other").await.unwrap().uid().unwrap();
 
     // The agent dies, and one of its records is damaged meanwhile (a full disk, a bad
@@ -50,7 +56,11 @@ async fn a_corrupt_registry_record_is_skipped_and_reported_and_the_resume_goes_o
         .state_dir
         .join("registry/sandboxes")
         .join(format!("{other_uid}.json"));
-    assert!(record.exists(), "no registry record at {}", record.display());
+    assert!(
+        record.exists(),
+        "no registry record at {}",
+        record.display()
+    );
     std::fs::write(&record, b"{\"namespace\": \"").unwrap();
     sys.agent.start().unwrap();
 
@@ -74,9 +84,17 @@ async fn a_corrupt_registry_record_is_skipped_and_reported_and_the_resume_goes_o
     // The rest resumed: the workspace is the same sandbox, and it still runs.
     let ws = sbx.get("workspace").await.unwrap().status.unwrap();
     assert_eq!(ws.phase, SandboxPhase::Running);
-    assert_eq!(ws.sandbox_id, workspace_id, "the workspace was not re-adopted");
+    assert_eq!(
+        ws.sandbox_id, workspace_id,
+        "the workspace was not re-adopted"
+    );
     let (code, out) = sys.exec("workspace", "cat /work/app.conf");
-    assert_eq!((code, out.as_str()), (0, "mode=slow"), "{}", sys.diagnostics());
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "mode=slow"),
+        "{}",
+        sys.diagnostics()
+    );
 
     // The bad record is kept aside for inspection, and reported by an Event.
     let mut aside = record.clone().into_os_string();
