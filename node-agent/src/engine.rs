@@ -87,6 +87,24 @@ impl Sandbox {
     }
 }
 
+/// What [`Engine::recover`] found under the state directory.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// Sandboxes whose record reads (and half-made ones, with a placeholder handle).
+    pub sandboxes: Vec<Sandbox>,
+    /// Sandbox directories whose record cannot be read.
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// A sandbox directory whose `sandbox.json` cannot be read or parsed.
+#[derive(Debug)]
+pub struct Unreadable {
+    pub path: PathBuf,
+    pub error: String,
+    /// Good enough for [`Engine::destroy`], nothing else.
+    pub handle: Sandbox,
+}
+
 /// Result of a snapshot.
 #[derive(Debug, Clone)]
 pub struct SnapshotInfo {
@@ -127,6 +145,8 @@ struct Inner {
     /// `restore` wrote or from `runsc state`: while that process lives, the sandbox
     /// runs (see [`Engine::is_running`]).
     sandbox_procs: Mutex<HashMap<String, (i32, u64)>>,
+    /// Cleanup steps that failed for good (see [`crate::cleanup`]).
+    cleanup_failures: crate::cleanup::CleanupFailures,
 }
 
 /// Cheap to clone; all clones share one engine.
@@ -173,6 +193,7 @@ impl Engine {
                 generation: AtomicU64::new(1),
                 issued: Mutex::new(Vec::new()),
                 sandbox_procs: Mutex::default(),
+                cleanup_failures: Default::default(),
             }),
         })
     }
@@ -192,6 +213,11 @@ impl Engine {
     /// Which directories may be a sandbox's root filesystem.
     pub fn rootfs_policy(&self) -> &RootfsPolicy {
         &self.inner.rootfs
+    }
+
+    /// Cleanup failures by step and error category (the agent exports them).
+    pub fn cleanup_failures(&self) -> &crate::cleanup::CleanupFailures {
+        &self.inner.cleanup_failures
     }
 
     fn new_id(&self) -> String {
@@ -390,7 +416,7 @@ impl Engine {
             spec::write_bundle(&sb.bundle_dir(), &cfg).map(|_| ())
         })();
         if let Err(e) = written {
-            self.destroy(sb).await.ok();
+            self.destroy_or_report(sb, "preparing it failed").await;
             return Err(e);
         }
         Ok(sb)
@@ -415,7 +441,7 @@ impl Engine {
                 Ok(sb)
             }
             Err(e) => {
-                self.destroy(sb).await.ok();
+                self.destroy_or_report(sb, "its start failed").await;
                 Err(e)
             }
         }
@@ -514,7 +540,10 @@ impl Engine {
             }
             .await;
             if let Err(e) = resumed {
-                self.inner.store.remove(&snap_id).ok();
+                if let Err(r) = self.inner.store.remove(&snap_id) {
+                    warn!(snapshot = %snap_id, error = %r, "removing the image of a snapshot whose source did not resume");
+                    self.count_cleanup_failure("remove image", &r);
+                }
                 return Err(Error::Sandbox {
                     id: sb.id.clone(),
                     reason: format!(
@@ -539,7 +568,14 @@ impl Engine {
             capture_millis: checkpoint.as_millis() as u64,
             source_pause_millis: source_pause.as_millis() as u64,
         };
-        let meta = match self.inner.store.seal(meta) {
+        // Sealing hashes the whole image (seconds of CPU for a large one): on the
+        // blocking pool, not on an async worker.
+        let store = self.inner.store.clone();
+        let sealed = tokio::task::spawn_blocking(move || store.seal(meta))
+            .await
+            .map_err(|e| Error::Join(e.to_string()))
+            .and_then(|r| r);
+        let meta = match sealed {
             Ok(m) => m,
             Err(e) => return Err(self.capture_failed(&snap_id, e, "")),
         };
@@ -627,7 +663,7 @@ impl Engine {
         }
         .await;
         if let Err(e) = restored {
-            self.destroy(sb).await.ok();
+            self.destroy_or_report(sb, "its restore failed").await;
             return Err(e);
         }
         if let Some(host) = sb.identity.hostname.clone()
@@ -639,7 +675,8 @@ impl Engine {
             sb.identity.hostname = None;
             if let Err(e) = control::write_identity(&sb.control_dir(), &sb.identity) {
                 let e = Error::io("write identity", sb.control_dir(), e);
-                self.destroy(sb).await.ok();
+                self.destroy_or_report(sb, "writing its identity failed")
+                    .await;
                 return Err(e);
             }
         }
@@ -650,7 +687,8 @@ impl Engine {
                     sb.tracked_roots = roots;
                 }
                 Err(e) => {
-                    self.destroy(sb).await.ok();
+                    self.destroy_or_report(sb, "recording its tracked files failed")
+                        .await;
                     return Err(e);
                 }
             }
@@ -689,7 +727,8 @@ impl Engine {
         }
         if let Some(e) = first_err {
             for sb in ok {
-                self.destroy(sb).await.ok();
+                self.destroy_or_report(sb, "a sibling's restore failed (a fork is all or nothing)")
+                    .await;
             }
             return Err(e);
         }
@@ -930,16 +969,36 @@ impl Engine {
     /// the first error.
     #[instrument(skip(self, sb), fields(id = %sb.id))]
     pub async fn destroy(&self, sb: Sandbox) -> Result<()> {
+        self.teardown(&sb).await
+    }
+
+    /// What [`Engine::destroy`] does, on a sandbox still held: every step tolerates
+    /// what an earlier attempt already removed, so it can be run again after a failure.
+    pub(crate) async fn teardown(&self, sb: &Sandbox) -> Result<()> {
         self.forget_proc(&sb.id);
         let mut first: Option<Error> = None;
         // A frozen task cannot die: thaw first (no-op if not frozen or not created).
-        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists() {
-            cgroup::thaw(&sb.placed.cgroups_path).ok();
+        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists()
+            && let Err(e) = cgroup::thaw(&sb.placed.cgroups_path)
+        {
+            // The kill below reports what a frozen task kept alive.
+            warn!(id = %sb.id, error = %e, "thaw before destroy failed");
         }
         // SIGKILL the sandbox, gofer and any runsc command of this sandbox directly
         // (their command lines carry the per-sandbox --root): `runsc kill` + `delete`
         // cost over a second of polling per sandbox and add nothing once they are dead.
-        kill_processes_mentioning(&sb.ctx.root.to_string_lossy()).await;
+        match crate::reaper::reap(&sb.ctx.root.to_string_lossy()).await {
+            Ok(r) if r.left.is_empty() => {}
+            Ok(r) => {
+                first.get_or_insert(Error::Sandbox {
+                    id: sb.id.clone(),
+                    reason: format!("processes {:?} survived SIGKILL", r.left),
+                });
+            }
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
         if let Err(e) = std::fs::remove_dir_all(&sb.ctx.root)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -1024,28 +1083,41 @@ impl Engine {
     }
 
     /// Every sandbox recorded with [`Engine::persist`] under this state directory,
-    /// whether it still runs or not (ask [`Engine::is_running`]).
-    pub async fn recover(&self) -> Result<Vec<Sandbox>> {
+    /// whether it still runs or not (ask [`Engine::is_running`]); a directory whose
+    /// record does not parse is listed apart (reported, and destroyed: it cannot be
+    /// re-adopted), never silently skipped.
+    pub async fn recover(&self) -> Result<Recovered> {
         let dir = self.inner.cfg.state_dir.join("sandboxes");
-        let mut out = Vec::new();
+        let mut out = Recovered::default();
         let rd = match std::fs::read_dir(&dir) {
             Ok(rd) => rd,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
             Err(e) => return Err(Error::io("read", &dir, e)),
         };
-        for entry in rd.flatten() {
+        for entry in rd {
+            let entry = entry.map_err(|e| Error::io("read", &dir, e))?;
             let path = entry.path().join("sandbox.json");
             match std::fs::read(&path) {
                 Ok(bytes) => match serde_json::from_slice::<Sandbox>(&bytes) {
-                    Ok(sb) => out.push(sb),
+                    Ok(sb) => out.sandboxes.push(sb),
                     Err(e) => {
-                        warn!(path = %path.display(), error = %e, "unreadable sandbox record")
+                        warn!(path = %path.display(), error = %e, "unreadable sandbox record");
+                        out.unreadable.push(Unreadable {
+                            path,
+                            error: e.to_string(),
+                            handle: self.placeholder(&entry.path()),
+                        });
                     }
                 },
-                Err(_) => {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     // A directory without a record: a sandbox that died half-made.
-                    out.push(self.placeholder(&entry.path()));
+                    out.sandboxes.push(self.placeholder(&entry.path()));
                 }
+                Err(e) => out.unreadable.push(Unreadable {
+                    path,
+                    error: e.to_string(),
+                    handle: self.placeholder(&entry.path()),
+                }),
             }
         }
         Ok(out)
@@ -1421,7 +1493,11 @@ fn out_of_space(e: &Error) -> bool {
 /// Drop the record of a container whose sandbox has exited (after checkpoint).
 async fn forget_stopped(runsc: &Runsc, ctx: &SandboxCtx) -> Result<()> {
     let root = ctx.root.to_string_lossy().into_owned();
-    if !pids_mentioning(&root).is_empty() {
+    // A scan of every process's command line: on the blocking pool.
+    let alive = tokio::task::spawn_blocking(move || !pids_mentioning(&root).is_empty())
+        .await
+        .map_err(|e| Error::Join(e.to_string()))?;
+    if alive {
         return runsc.delete_force(ctx).await;
     }
     let rd =
@@ -1431,22 +1507,6 @@ async fn forget_stopped(runsc: &Runsc, ctx: &SandboxCtx) -> Result<()> {
             .map_err(|err| Error::io("remove runsc state", e.path(), err))?;
     }
     Ok(())
-}
-
-async fn kill_processes_mentioning(needle: &str) {
-    for _ in 0..50 {
-        let pids = pids_mentioning(needle);
-        if pids.is_empty() {
-            return;
-        }
-        for pid in pids {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Bytes of a workload command's stdout and stderr the agent keeps (the tail).
@@ -1462,8 +1522,9 @@ pub struct WarmPool {
     snapshot: String,
     size: usize,
     shared: Arc<PoolShared>,
-    /// Refill task; None once closed.
-    task: Option<tokio::task::JoinHandle<()>>,
+    /// Refill task; None once closed. Behind a lock so that `close` takes `&self`: a
+    /// pool shared with claimers in flight can be closed without waiting for them.
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 struct PoolShared {
@@ -1502,7 +1563,7 @@ impl WarmPool {
             snapshot,
             size,
             shared,
-            task: Some(task),
+            task: Mutex::new(Some(task)),
         }
     }
 
@@ -1534,7 +1595,9 @@ impl WarmPool {
                     .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[])
                     .await?;
                 if let Err(e) = cgroup::freeze(&sb.placed.cgroups_path).await {
-                    engine.destroy(sb).await.ok();
+                    engine
+                        .destroy_or_report(sb, "freezing it for the warm pool failed")
+                        .await;
                     return Err(e);
                 }
                 Ok::<_, Error>(sb)
@@ -1554,7 +1617,9 @@ impl WarmPool {
                         }
                     }
                     if let Some(sb) = leftover {
-                        engine.destroy(sb).await.ok();
+                        engine
+                            .destroy_or_report(sb, "its warm pool was closed while it was restored")
+                            .await;
                         return;
                     }
                     shared.ready.notify_waiters();
@@ -1638,13 +1703,21 @@ impl WarmPool {
         let deadline = Instant::now() + timeout;
         loop {
             let notified = self.shared.ready.notified();
-            let got = self
-                .shared
-                .state
-                .lock()
-                .map_err(|_| Error::Join("pool lock poisoned".into()))?
-                .ready
-                .pop_front();
+            let got = {
+                let mut s = self
+                    .shared
+                    .state
+                    .lock()
+                    .map_err(|_| Error::Join("pool lock poisoned".into()))?;
+                if s.closed {
+                    // Closed while this claim waited: nothing will come.
+                    return Err(Error::Snapshot {
+                        id: self.snapshot.clone(),
+                        reason: "warm pool closed".into(),
+                    });
+                }
+                s.ready.pop_front()
+            };
             if let Some(mut sb) = got {
                 self.shared.refill.notify_one();
                 sb.name = name.to_string();
@@ -1658,7 +1731,9 @@ impl WarmPool {
                     .map_err(|e| Error::io("write identity", sb.control_dir(), e))
                     .and_then(|()| cgroup::thaw(&sb.placed.cgroups_path));
                 if let Err(e) = r {
-                    self.engine.destroy(sb).await.ok();
+                    self.engine
+                        .destroy_or_report(sb, "handing it out of the warm pool failed")
+                        .await;
                     return Err(e);
                 }
                 return Ok(sb);
@@ -1674,7 +1749,7 @@ impl WarmPool {
     }
 
     /// Stop refilling and destroy every frozen branch.
-    pub async fn close(mut self) -> Result<()> {
+    pub async fn close(&self) -> Result<()> {
         let drained: Vec<Sandbox> = match self.shared.state.lock() {
             Ok(mut s) => {
                 s.closed = true;
@@ -1684,8 +1759,11 @@ impl WarmPool {
         };
         self.shared.refill.notify_one();
         // Let an in-flight restore finish so it is destroyed, not leaked.
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
+        let task = self.task.lock().ok().and_then(|mut t| t.take());
+        if let Some(task) = task
+            && let Err(e) = task.await
+        {
+            warn!(error = %e, snapshot = %self.snapshot, "warm pool refill task failed");
         }
         let mut first = None;
         for sb in drained {
@@ -1714,7 +1792,8 @@ impl Drop for WarmPool {
     /// sees `closed` and destroys an in-flight branch itself; ready ones are destroyed
     /// on the runtime if there is one (otherwise the orphan sweep gets them).
     fn drop(&mut self) {
-        if self.task.take().is_none() {
+        let task = self.task.get_mut().ok().and_then(Option::take);
+        if task.is_none() {
             return;
         }
         let drained: Vec<Sandbox> = match self.shared.state.lock() {

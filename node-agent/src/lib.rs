@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod cgroup;
+pub mod cleanup;
 pub mod cmd;
 pub mod control;
 pub mod diff;
@@ -15,14 +16,17 @@ pub mod engine;
 pub mod error;
 pub mod placement;
 pub mod private;
+pub mod reaper;
 pub mod rootfs;
 pub mod roots;
 pub mod runsc;
+pub mod settings;
 pub mod spec;
 pub mod store;
 pub mod sweep;
 
 pub use engine::{
-    CommitReport, Engine, EngineConfig, ForkOptions, Sandbox, SnapshotInfo, StartRequest, WarmPool,
+    CommitReport, Engine, EngineConfig, ForkOptions, Recovered, Sandbox, SnapshotInfo,
+    StartRequest, Unreadable, WarmPool,
 };
 pub use error::{Error, Result};

@@ -19,6 +19,9 @@ use ramify_node_agent::agent::{self, Agent, AgentConfig};
 use ramify_node_agent::placement::{Standalone, StandaloneConfig};
 use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{Runsc, RunscConfig};
+use ramify_node_agent::settings::{
+    self, AgentSettings, DEFAULT_CGROUP_PARENT, DEFAULT_ROOTFS_CACHE,
+};
 use ramify_node_agent::store::SnapshotStore;
 use ramify_node_agent::{Engine, EngineConfig};
 use tracing::error;
@@ -101,12 +104,6 @@ struct RootfsArgs {
         default_value = DEFAULT_ROOTFS_CACHE
     )]
     cache: PathBuf,
-}
-
-const DEFAULT_ROOTFS_CACHE: &str = "/var/cache/ramify/rootfs";
-
-fn default_rootfs_cache() -> PathBuf {
-    DEFAULT_ROOTFS_CACHE.into()
 }
 
 #[derive(Subcommand)]
@@ -238,50 +235,30 @@ async fn engine(
     .await?)
 }
 
-/// How the running agent drives runsc, recorded in its state directory so the local
-/// subcommands (exec, logs, diff, cleanup) use the same runsc build and network.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct AgentSettings {
-    runsc: PathBuf,
-    platform: String,
-    bridge: String,
-    subnet: String,
-    #[serde(default = "default_cgroup_parent")]
-    cgroup_parent: String,
-    #[serde(default)]
-    rootfs_roots: Vec<PathBuf>,
-    #[serde(default = "default_rootfs_cache")]
-    rootfs_cache: PathBuf,
-}
-
-const DEFAULT_CGROUP_PARENT: &str = "/ramify";
-
-fn default_cgroup_parent() -> String {
-    DEFAULT_CGROUP_PARENT.into()
-}
-
-fn settings_path(state_dir: &Path) -> PathBuf {
-    state_dir.join("agent.json")
-}
-
 /// The engine over a node's state, as its agent configured it.
 async fn local_engine(
     cli_runsc: &Path,
     platform: &str,
     state_dir: &Path,
 ) -> anyhow::Result<Engine> {
-    let s = std::fs::read(settings_path(state_dir))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<AgentSettings>(&b).ok())
-        .unwrap_or(AgentSettings {
-            runsc: cli_runsc.to_path_buf(),
-            platform: platform.to_string(),
-            bridge: "ramify0".into(),
-            subnet: "10.88.0.0/16".into(),
-            cgroup_parent: default_cgroup_parent(),
-            rootfs_roots: Vec::new(),
-            rootfs_cache: default_rootfs_cache(),
-        });
+    let s = match settings::load(state_dir)? {
+        Some(s) => s,
+        None => {
+            eprintln!(
+                "note: no {} (no agent ran on this state directory): using --runsc, --platform and the default network and cgroup parent",
+                settings::path(state_dir).display()
+            );
+            AgentSettings {
+                runsc: cli_runsc.to_path_buf(),
+                platform: platform.to_string(),
+                bridge: "ramify0".into(),
+                subnet: "10.88.0.0/16".into(),
+                cgroup_parent: DEFAULT_CGROUP_PARENT.into(),
+                rootfs_roots: Vec::new(),
+                rootfs_cache: settings::default_rootfs_cache(),
+            }
+        }
+    };
     // exec, logs, diff and cleanup never start a sandbox from a root filesystem: no
     // root needs to be opened (nor to still exist).
     let s = AgentSettings {
@@ -358,13 +335,10 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 rootfs_cache: rootfs.cache.clone(),
             };
             let engine = engine(&settings, &state.state_dir, Some("node".into())).await?;
-            ramify_node_agent::private::write_atomic(
-                &settings_path(&state.state_dir),
-                &serde_json::to_vec_pretty(&settings)?,
-            )?;
+            settings::store(&state.state_dir, &settings)?;
             let client = kube::Client::try_default().await?;
             let version = agent::short_version(engine.runsc().version()).to_string();
-            let metrics = AgentMetrics::new(&version);
+            let metrics = AgentMetrics::new(&version, engine.cleanup_failures());
             let health = ramify_runtime::Health::default();
             tokio::spawn({
                 let (registry, h) = (metrics.registry.clone(), health.clone());
@@ -450,7 +424,18 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Cleanup { state } => {
             let engine = local_engine(&cli.runsc, &cli.platform, &state.state_dir).await?;
-            for sb in engine.recover().await? {
+            let recovered = engine.recover().await?;
+            for bad in recovered.unreadable {
+                eprintln!(
+                    "warning: {} does not parse ({}); destroying its sandbox",
+                    bad.path.display(),
+                    bad.error
+                );
+                let id = bad.handle.id.clone();
+                engine.destroy(bad.handle).await?;
+                println!("destroyed sandbox {id}");
+            }
+            for sb in recovered.sandboxes {
                 let id = sb.id.clone();
                 engine.destroy(sb).await?;
                 println!("destroyed sandbox {id}");

@@ -135,6 +135,8 @@ pub struct Context {
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub settings: Settings,
+    /// The controllers' per-object backoff, and their reports of permanent failures.
+    pub settler: ramify_runtime::settle::Settler,
 }
 
 impl Context {
@@ -157,6 +159,7 @@ impl Context {
             cache,
             cache_writers: Mutex::new(Some(writers)),
             metrics,
+            settler: crate::backoff::settler(recorder.clone()),
             recorder,
             settings,
         }

@@ -50,12 +50,23 @@ pub async fn list(client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(64);
             Some(NodeAgent {
-                live: !crate::leader::expired(spec, now),
+                live: !expired(spec, now),
                 node,
                 capacity,
             })
         })
         .collect())
+}
+
+/// Whether a node agent's lease has run out by this clock (renewTime + duration): a
+/// one-shot judgement of a lease read once, for scheduling; leader election judges its
+/// lease from observed changes instead (see `leader`).
+fn expired(spec: &k8s_openapi::api::coordination::v1::LeaseSpec, now: Timestamp) -> bool {
+    let Some(renew) = spec.renew_time.as_ref() else {
+        return true;
+    };
+    let secs = i64::from(spec.lease_duration_seconds.unwrap_or(15));
+    renew.0 + k8s_openapi::jiff::SignedDuration::from_secs(secs) < now
 }
 
 /// Picks the live node with the most free capacity, given how many sandboxes are

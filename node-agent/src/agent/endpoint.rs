@@ -142,7 +142,8 @@ pub async fn local_sandbox(
 ) -> Result<Sandbox, EndpointError> {
     let rec = registry
         .sandboxes()?
-        .into_values()
+        .records
+        .into_iter()
         .find(|r| r.namespace == namespace && r.name == name)
         .ok_or_else(|| {
             EndpointError::NotFound(format!("no sandbox {namespace}/{name} on this node"))
@@ -150,6 +151,7 @@ pub async fn local_sandbox(
     engine
         .recover()
         .await?
+        .sandboxes
         .into_iter()
         .find(|s| s.id == rec.sandbox_id)
         .ok_or_else(|| {

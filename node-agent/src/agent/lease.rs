@@ -26,9 +26,14 @@ pub struct Announcement {
     pub endpoint: Option<String>,
 }
 
+/// The name of `node`'s Lease.
+pub fn lease_name(node: &str) -> String {
+    format!("ramify-node-{node}")
+}
+
 impl Announcement {
     pub fn lease_name(&self) -> String {
-        format!("ramify-node-{}", self.node)
+        lease_name(&self.node)
     }
 }
 

@@ -8,20 +8,24 @@
 //! images are kept, a commit applied locally is reported instead of applied twice, and
 //! anything the API no longer knows is destroyed (no orphans).
 
+pub mod backoff;
 pub mod endpoint;
 pub mod lease;
 pub mod metrics;
+pub mod pools;
 pub mod registry;
+pub mod resume;
 mod rootfs_class;
+pub mod verdict_watch;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -73,7 +77,7 @@ pub struct Agent {
     /// Live local sandboxes by Sandbox object uid.
     handles: Mutex<HashMap<String, Handle>>,
     /// Warm pools by Snapshot object uid.
-    pools: AsyncMutex<HashMap<String, WarmPool>>,
+    pools: pools::Pools<WarmPool>,
     /// Branch runs in flight, by Sandbox uid; `true` sent when the branch is deleted
     /// (its run and verdict commands are dropped: a loser goes at once).
     runners: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
@@ -90,6 +94,9 @@ pub struct Agent {
     reported: Mutex<HashSet<String>>,
     /// What a sandbox's Running report carries (its provenance), until it lands.
     unreported: Mutex<HashMap<String, serde_json::Value>>,
+    /// The controllers' per-object backoff, and their reports of permanent failures
+    /// (naming this node).
+    settler: ramify_runtime::settle::Settler,
 }
 
 /// What the agent's watches hold: its node's Snapshots and every BranchSet.
@@ -215,25 +222,7 @@ pub fn short_version(v: &str) -> &str {
 }
 
 fn error_category(e: &Error) -> &'static str {
-    match e {
-        Error::Command { .. } | Error::Spawn { .. } | Error::RunscOutput(_) => "runsc",
-        Error::Timeout { .. } => "timeout",
-        Error::OutputTooLarge { .. } => "output_too_large",
-        Error::Io { .. } => "io",
-        Error::MissingTool(_) => "missing_tool",
-        Error::Unsupported { .. } => "unsupported",
-        Error::Snapshot { .. } => "snapshot",
-        Error::VersionMismatch { .. } => "version_mismatch",
-        Error::CorruptImage { .. } => "corrupt_image",
-        Error::Network(_) => "network",
-        Error::Rootfs(_) => "rootfs",
-        Error::RootfsRefused(_) => "rootfs_refused",
-        Error::Sandbox { .. } => "sandbox",
-        Error::Invalid(_) => "invalid",
-        Error::Json(_) => "serialization",
-        Error::Join(_) => "task",
-        Error::Kube(_) => "kube_api",
-    }
+    e.category()
 }
 
 impl Agent {
@@ -251,6 +240,7 @@ impl Agent {
                 instance: Some(cfg.node.clone()),
             },
         );
+        let settler = backoff::settler(&cfg.node, recorder.clone());
         Self {
             client,
             engine,
@@ -259,13 +249,14 @@ impl Agent {
             metrics,
             recorder,
             handles: Mutex::new(HashMap::new()),
-            pools: AsyncMutex::new(HashMap::new()),
+            pools: pools::Pools::default(),
             runners: Mutex::new(HashMap::new()),
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),
             in_flight: Mutex::new(HashMap::new()),
             reported: Mutex::new(HashSet::new()),
             unreported: Mutex::new(HashMap::new()),
+            settler,
         }
     }
 
@@ -318,84 +309,6 @@ impl Agent {
             note,
         )
         .await;
-    }
-
-    /// Re-adopts what the registry says this node holds and destroys what the API no
-    /// longer knows: sandboxes and images whose objects are gone, and sandbox
-    /// directories no record points to. Run once at start-up, before the controllers.
-    #[instrument(skip(self))]
-    pub async fn resume(&self) -> Result<()> {
-        let bound = ListParams::default().fields(&format!("status.nodeName={}", self.cfg.node));
-        let sandboxes: Api<SandboxObj> = Api::all(self.client.clone());
-        let live: HashSet<String> = sandboxes
-            .list(&bound)
-            .await?
-            .items
-            .iter()
-            .filter_map(|s| s.uid())
-            .collect();
-        let mut local: BTreeMap<String, Sandbox> = self
-            .engine
-            .recover()
-            .await?
-            .into_iter()
-            .map(|s| (s.id.clone(), s))
-            .collect();
-        for (uid, rec) in self.registry.sandboxes()? {
-            match local.remove(&rec.sandbox_id) {
-                Some(sb) if live.contains(&uid) => {
-                    info!(sandbox = %rec.name, id = %sb.id, "re-adopted live sandbox");
-                    self.insert_handle(&uid, sb);
-                }
-                Some(sb) => {
-                    info!(sandbox = %rec.name, id = %sb.id, "destroying orphan: its Sandbox object is gone");
-                    self.engine.destroy(sb).await.ok();
-                    self.registry.remove_sandbox(&uid)?;
-                }
-                None => {
-                    // The record outlived its sandbox (crash during destroy): the
-                    // reconcile reports the loss; nothing to clean on the host.
-                    if !live.contains(&uid) {
-                        self.registry.remove_sandbox(&uid)?;
-                    }
-                }
-            }
-        }
-        for (_, sb) in local {
-            info!(id = %sb.id, "destroying unrecorded sandbox");
-            self.engine.destroy(sb).await.ok();
-        }
-        let snaps: Api<SnapshotObj> = Api::all(self.client.clone());
-        let live_snaps: HashSet<String> = snaps
-            .list(&bound)
-            .await?
-            .items
-            .iter()
-            .filter_map(|s| s.uid())
-            .collect();
-        let mut kept = HashSet::new();
-        for (uid, rec) in self.registry.snapshots()? {
-            if live_snaps.contains(&uid) {
-                kept.insert(rec.image_id);
-            } else {
-                self.engine.store().remove(&rec.image_id).ok();
-                self.registry.remove_snapshot(&uid)?;
-            }
-        }
-        // Every image directory, sealed or not: a capture cut short by a crash leaves
-        // one without metadata, which `list()` does not show.
-        let store_dir = self.engine.store().dir().to_path_buf();
-        for entry in std::fs::read_dir(&store_dir)
-            .map_err(|e| Error::io("read", &store_dir, e))?
-            .flatten()
-        {
-            let id = entry.file_name().to_string_lossy().into_owned();
-            if !kept.contains(&id) {
-                info!(image = %id, "removing unrecorded snapshot image");
-                self.engine.store().remove(&id).ok();
-            }
-        }
-        Ok(())
     }
 
     /// Writes the agent-owned part of a Sandbox's status (always the whole part: with
@@ -452,6 +365,18 @@ impl Agent {
         )
         .await?;
         Ok(())
+    }
+
+    /// A cleanup step for `obj` that failed for good: logged with the object, counted.
+    fn cleanup_failed(&self, obj: &impl Resource, step: &str, e: &Error) {
+        warn!(
+            object = %obj.meta().name.as_deref().unwrap_or_default(),
+            namespace = obj.meta().namespace.as_deref().unwrap_or_default(),
+            step,
+            error = %e,
+            "cleanup failed"
+        );
+        self.engine.count_cleanup_failure(step, e);
     }
 
     async fn release_finalizer<K>(&self, obj: &K) -> Result<()>
@@ -746,13 +671,14 @@ impl Agent {
         let t0 = Instant::now();
         // A warm branch has no baseline manifest, so Paths commits restore cold.
         let warm = if track.is_empty() {
-            let pools = self.pools.lock().await;
-            match pools.get(&snap.uid().unwrap_or_default()) {
-                Some(pool) if pool.ready() > 0 => {
-                    Some(pool.claim_as(&name, index, Duration::from_secs(5)).await)
-                }
-                _ => None,
-            }
+            self.pools
+                .claim(
+                    &snap.uid().unwrap_or_default(),
+                    &name,
+                    index,
+                    Duration::from_secs(5),
+                )
+                .await
         } else {
             None
         };
@@ -950,7 +876,7 @@ impl Agent {
                 info!(sandbox = %obj.name_any(), "branch deleted while it ran; its run was dropped");
             } else if let Err(e) = ran {
                 warn!(error = %e, sandbox = %obj.name_any(), "branch run failed");
-                agent
+                let reported = agent
                     .write_outcome(
                         &obj,
                         None,
@@ -960,8 +886,12 @@ impl Agent {
                         Some(fork_millis),
                         None,
                     )
-                    .await
-                    .ok();
+                    .await;
+                if let Err(e) = reported {
+                    // Recorded before the report: the next reconcile sends it again.
+                    warn!(error = %e, sandbox = %obj.name_any(), namespace = obj.namespace().unwrap_or_default(), "reporting the failed run failed");
+                    agent.metrics.failed("branch", e.category());
+                }
             }
             if let Ok(mut r) = agent.runners.lock() {
                 r.remove(&uid);
@@ -1005,6 +935,15 @@ impl Agent {
         let h = self
             .handle(uid)
             .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+        // One watcher of the verdict file per branch, bounded whatever the workload
+        // writes (see `verdict_watch`); it needs no lock on the sandbox.
+        let mut watch = {
+            let g = h.lock().await;
+            let sb = g
+                .as_ref()
+                .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+            verdict_watch::VerdictWatch::new(sb.control_dir())
+        };
         let t0 = Instant::now();
 
         // The workload may decide at any time through /run/ramify/verdict; the run and
@@ -1066,25 +1005,19 @@ impl Agent {
                     Err(e) => return Err(e),
                 });
             }
-            // No command at all: wait for the workload's verdict file.
-            loop {
-                if let Some(v) = self.verdict_file(&h).await {
-                    return Ok((
-                        exit_code,
-                        v,
-                        "the workload wrote /run/ramify/verdict".into(),
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            // No command at all: the workload's verdict file decides (the watcher
+            // below), or the timeout.
+            std::future::pending().await
         };
         let watch_file = async {
-            loop {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if let Some(v) = self.verdict_file(&h).await {
-                    return (v, "the workload wrote /run/ramify/verdict".to_string());
-                }
-            }
+            // The sandbox as it is now (a Full commit into this branch swaps it); not
+            // known while a command holds it, and no commit swaps it meanwhile.
+            let current = || h.try_lock().ok()?.as_ref().map(Sandbox::control_dir);
+            let v = match watch.verdict(current).await {
+                Verdict::Commit => VerdictValue::Commit,
+                Verdict::Abort => VerdictValue::Abort,
+            };
+            (v, "the workload wrote /run/ramify/verdict".to_string())
         };
         let (exit_code, verdict, reason) = tokio::select! {
             r = decided => r?,
@@ -1237,8 +1170,8 @@ impl Agent {
             return Ok(Action::await_change());
         }
         if snap.metadata.deletion_timestamp.is_some() {
-            if let Some(pool) = self.pools.lock().await.remove(&uid) {
-                pool.close().await.ok();
+            if let Err(e) = self.pools.replace(&uid, None).await {
+                self.cleanup_failed(snap, "close warm pool", &e);
             }
             if let Some(rec) = self.registry.snapshot(&uid)? {
                 self.engine.store().remove(&rec.image_id)?;
@@ -1258,6 +1191,17 @@ impl Agent {
         }
         if status.phase == SnapshotPhase::Failed {
             return Ok(Action::await_change());
+        }
+        if status.phase == SnapshotPhase::Ready {
+            // Reported Ready from an image this node no longer has a record of (the
+            // record was lost or unreadable): say so rather than capture anew.
+            return self
+                .fail_snapshot(
+                    snap,
+                    "ImageLost",
+                    "this node has no record of the snapshot's image (lost or unreadable); it is not captured again".into(),
+                )
+                .await;
         }
         let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
         let Some(source) = sandboxes.get_opt(&snap.spec.source.sandbox).await? else {
@@ -1335,18 +1279,13 @@ impl Agent {
             .as_ref()
             .map(|w| usize::try_from(w.size).unwrap_or(0))
             .unwrap_or(0);
-        let mut pools = self.pools.lock().await;
-        let have_size = pools.get(uid).map(|p| p.size());
-        if have_size != Some(want) {
-            if let Some(old) = pools.remove(uid) {
-                old.close().await.ok();
-            }
-            if want > 0 {
-                pools.insert(uid.to_string(), self.engine.warm_pool(&rec.image_id, want));
+        if self.pools.size(uid) != Some(want) {
+            let pool = (want > 0).then(|| self.engine.warm_pool(&rec.image_id, want));
+            if let Err(e) = self.pools.replace(uid, pool).await {
+                self.cleanup_failed(snap, "close resized warm pool", &e);
             }
         }
-        let ready = pools.get(uid).map(|p| p.ready()).unwrap_or(0);
-        drop(pools);
+        let ready = self.pools.ready(uid);
         let reported = snap
             .status
             .as_ref()
@@ -1604,18 +1543,6 @@ async fn until_deleted(deleted: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
-fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Agent>) -> Action {
-    move |_, err, agent| {
-        agent.metrics.failed(controller, error_category(err));
-        if matches!(err, Error::Kube(kube::Error::Api(s)) if s.code == 409) {
-            // Another writer was first: re-read and retry at once.
-            return Action::requeue(Duration::from_millis(20));
-        }
-        warn!(controller, error = %err, "reconcile failed");
-        Action::requeue(Duration::from_secs(1))
-    }
-}
-
 /// The object, or `None` when it does not deserialize: such an object is reported
 /// and skipped, so one bad object cannot wedge a controller.
 fn admit<'a, K>(obj: &'a DeserializeGuard<K>, agent: &Agent, controller: &str) -> Option<&'a K> {
@@ -1632,7 +1559,10 @@ fn admit<'a, K>(obj: &'a DeserializeGuard<K>, agent: &Agent, controller: &str) -
 async fn on_sandbox(obj: Arc<DeserializeGuard<SandboxObj>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "sandbox") {
-        Some(s) => agent.reconcile_sandbox(s).await,
+        Some(s) => {
+            let r = agent.reconcile_sandbox(s).await;
+            backoff::settle(&agent, "sandbox", s, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("sandbox", t0.elapsed());
@@ -1642,7 +1572,10 @@ async fn on_sandbox(obj: Arc<DeserializeGuard<SandboxObj>>, agent: Arc<Agent>) -
 async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "snapshot") {
-        Some(s) => agent.reconcile_snapshot(s).await,
+        Some(s) => {
+            let r = agent.reconcile_snapshot(s).await;
+            backoff::settle(&agent, "snapshot", s, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("snapshot", t0.elapsed());
@@ -1652,7 +1585,10 @@ async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>)
 async fn on_branchset(obj: Arc<DeserializeGuard<BranchSet>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "commit") {
-        Some(b) => agent.reconcile_commit(b).await,
+        Some(b) => {
+            let r = agent.reconcile_commit(b).await;
+            backoff::settle(&agent, "commit", b, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("commit", t0.elapsed());
@@ -1671,7 +1607,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         mine.clone(),
     )
     .shutdown_on_signal()
-    .run(on_sandbox, error_policy("sandbox"), agent.clone())
+    .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
     .for_each(|_| futures::future::ready(()));
     // Sandboxes pinned to this node by their spec (every branch: its snapshot's node)
     // are seen at creation, a binding write earlier than through `status.nodeName`.
@@ -1682,7 +1618,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
             .any_semantic(),
     )
     .shutdown_on_signal()
-    .run(on_sandbox, error_policy("sandbox"), agent.clone())
+    .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
     .for_each(|_| futures::future::ready(()));
     let snap_ctl = Controller::new(
         Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
@@ -1698,11 +1634,15 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     });
     let snapshots = snap_ctl
         .shutdown_on_signal()
-        .run(on_snapshot, error_policy("snapshot"), agent.clone())
+        .run(
+            on_snapshot,
+            backoff::error_policy("snapshot"),
+            agent.clone(),
+        )
         .for_each(|_| futures::future::ready(()));
     let commits = commit_ctl
         .shutdown_on_signal()
-        .run(on_branchset, error_policy("commit"), agent.clone())
+        .run(on_branchset, backoff::error_policy("commit"), agent.clone())
         .for_each(|_| futures::future::ready(()));
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);

@@ -277,6 +277,56 @@ impl Harness {
     }
 }
 
+/// Polls `check` every 50 ms until it yields a value, and fails with `what` once
+/// `within` has passed: the suite's wait for anything that happens asynchronously
+/// (never a fixed sleep before an assertion).
+pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {within:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+impl Harness {
+    /// Waits until the COUNTER workload of `sb` has gone past `floor`; returns the value.
+    pub async fn counter_past(&self, sb: &Sandbox, floor: u64) -> u64 {
+        eventually(
+            Duration::from_secs(30),
+            &format!("the counter of {} to pass {floor}", sb.name),
+            || async move {
+                let c = self.counter(sb).await;
+                (c > floor).then_some(c)
+            },
+        )
+        .await
+    }
+
+    /// Waits until the file `path` in `sb` exists and is not empty.
+    pub async fn written(&self, sb: &Sandbox, path: &str) {
+        let script = format!("[ -s {path} ] && echo yes || echo no");
+        eventually(
+            Duration::from_secs(30),
+            &format!("{path} to be written in {}", sb.name),
+            || {
+                let script = script.clone();
+                async move { (self.sh(sb, &script).await.trim() == "yes").then_some(()) }
+            },
+        )
+        .await
+    }
+}
+
 const READ_COUNTER: &str =
     "while :; do c=$(cat /tmp/counter); [ -n \"$c\" ] && break; done; echo $c";
 
