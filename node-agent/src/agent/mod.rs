@@ -996,6 +996,18 @@ impl Agent {
         let h = self
             .handle(uid)
             .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+        // Read without the sandbox's lock, which the run and verdict commands hold for
+        // as long as they run: the directory stays put for the sandbox's life.
+        let control_dir = h
+            .lock()
+            .await
+            .as_ref()
+            .map(Sandbox::control_dir)
+            .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+        let verdict_file = || match crate::control::read_verdict(&control_dir)? {
+            Verdict::Commit => Some(VerdictValue::Commit),
+            Verdict::Abort => Some(VerdictValue::Abort),
+        };
         let t0 = Instant::now();
 
         // The workload may decide at any time through /run/ramify/verdict; the run and
@@ -1011,7 +1023,7 @@ impl Agent {
                     self.engine.run_command(sb, &run, &env, timeout).await?
                 };
                 exit_code = Some(out.code);
-                if let Some(v) = self.verdict_file(&h).await {
+                if let Some(v) = verdict_file() {
                     return Ok::<_, Error>((
                         exit_code,
                         v,
@@ -1059,7 +1071,7 @@ impl Agent {
             }
             // No command at all: wait for the workload's verdict file.
             loop {
-                if let Some(v) = self.verdict_file(&h).await {
+                if let Some(v) = verdict_file() {
                     return Ok((
                         exit_code,
                         v,
@@ -1072,7 +1084,7 @@ impl Agent {
         let watch_file = async {
             loop {
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                if let Some(v) = self.verdict_file(&h).await {
+                if let Some(v) = verdict_file() {
                     return (v, "the workload wrote /run/ramify/verdict".to_string());
                 }
             }
@@ -1117,15 +1129,6 @@ impl Agent {
             Some(run_millis),
         )
         .await
-    }
-
-    async fn verdict_file(&self, h: &Handle) -> Option<VerdictValue> {
-        let g = h.lock().await;
-        let sb = g.as_ref()?;
-        match self.engine.control(sb).verdict? {
-            Verdict::Commit => Some(VerdictValue::Commit),
-            Verdict::Abort => Some(VerdictValue::Abort),
-        }
     }
 
     #[allow(clippy::too_many_arguments)]
