@@ -238,7 +238,7 @@ async fn find(
     let rec = registry
         .sandboxes()?
         .into_values()
-        .find(|r| r.namespace == ns && r.name == name)
+        .find(|r| r.namespace == ns && r.name == name && !r.handed_over)
         .ok_or_else(|| anyhow::anyhow!("no sandbox {key} on this node"))?;
     engine
         .recover()
