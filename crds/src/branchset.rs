@@ -232,6 +232,20 @@ pub enum BranchSetPhase {
     Exhausted,
     /// The BranchSet could not proceed (see the Ready condition).
     Failed,
+    /// A winner was chosen, but the node agent refused its commit: the parent changed
+    /// (another BranchSet's commit was applied) since this set's fork point. Nothing
+    /// was applied; the Ready condition (reason `CommitConflict`) says what changed.
+    Conflict,
+}
+
+impl BranchSetPhase {
+    /// Whether the BranchSet has ended (nothing more happens to it).
+    pub fn is_ended(self) -> bool {
+        matches!(
+            self,
+            Self::Committed | Self::Exhausted | Self::Failed | Self::Conflict
+        )
+    }
 }
 
 /// Phase of one branch.
@@ -254,6 +268,8 @@ pub enum BranchPhase {
     Won,
     /// Discarded because another branch won, or because the BranchSet ended.
     Invalidated,
+    /// Chosen, but its commit was refused: the parent changed since the fork point.
+    Conflict,
 }
 
 /// A verdict.

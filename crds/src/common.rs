@@ -20,6 +20,10 @@ pub const ANNOTATION_ABORT: &str = "ramify.dev/abort";
 /// node-side state (runsc sandbox, netns, cgroups, image files).
 pub const FINALIZER_NODE_CLEANUP: &str = "ramify.dev/node-cleanup";
 
+/// Reason (condition, Event) of a commit the node agent refused because the parent
+/// changed since the fork point: first commit wins across every BranchSet of a parent.
+pub const REASON_COMMIT_CONFLICT: &str = "CommitConflict";
+
 /// Status of a condition, as in every Kubernetes API.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
 pub enum ConditionStatus {

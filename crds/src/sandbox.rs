@@ -25,6 +25,7 @@ use crate::common::{Condition, EnvVar};
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName"}"#,
     printcolumn = r#"{"name":"Restored-From","type":"string","jsonPath":".status.restoredFrom.snapshot"}"#,
+    printcolumn = r#"{"name":"Commits","type":"integer","priority":1,"jsonPath":".status.commits"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(
@@ -238,7 +239,8 @@ pub struct SandboxStatus {
     /// Exit code of the first process, once it exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
-    /// Number of commits promoted into this sandbox from its branches.
+    /// Number of commits promoted into this sandbox from its branches: its commit
+    /// generation. Snapshots record it as their fork point.
     #[serde(default)]
     pub commits: i64,
     /// For a branch: how its run and verdict went (written by the node agent).
@@ -247,6 +249,10 @@ pub struct SandboxStatus {
     /// The last commit promoted into this sandbox (written by the node agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_commit: Option<AppliedCommit>,
+    /// For a winning branch: why the node agent refused to commit it (written by the
+    /// node agent; nothing of it was applied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit_refused: Option<CommitRefusal>,
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
@@ -325,6 +331,29 @@ pub struct AppliedCommit {
     #[serde(default)]
     pub bytes: i64,
     /// When it was applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Time>,
+}
+
+/// A commit the node agent refused: the parent changed since the winner's fork point.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CommitRefusal {
+    /// The BranchSet whose winner this is.
+    pub branch_set_uid: String,
+    /// `CommitConflict`.
+    pub reason: String,
+    /// What changed in the parent.
+    pub message: String,
+    /// The parent's commit generation when the winner's snapshot was captured.
+    pub fork_generation: i64,
+    /// The parent's commit generation when the commit was refused.
+    pub parent_generation: i64,
+    /// For `Paths` commits: promoted paths that a later commit changed in the parent
+    /// (at most 256 listed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conflicting_paths: Vec<String>,
+    /// When it was refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at: Option<Time>,
 }

@@ -298,6 +298,14 @@ impl Component {
         }
     }
 
+    /// Sets (`Some`) or removes (`None`) an environment variable for the next start.
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.env.push((key.to_string(), v.to_string()));
+        }
+    }
+
     /// Starts it, appending to its log.
     pub fn start(&mut self) -> Result<(), HarnessError> {
         let log = std::fs::OpenOptions::new()

@@ -82,6 +82,11 @@ pub fn clean_earlier_runs() {
 
 impl System {
     pub async fn start(name: &str) -> System {
+        Self::start_with(name, &[]).await
+    }
+
+    /// Starts a system whose node agent also gets `agent_env` (fault hold points).
+    pub async fn start_with(name: &str, agent_env: &[(&str, &str)]) -> System {
         clean_earlier_runs();
         let cp = ControlPlane::ensure().expect("control plane");
         let client = cp.client().await.expect("client");
@@ -171,6 +176,9 @@ impl System {
             env,
             &base,
         );
+        for (k, v) in agent_env {
+            agent.set_env(k, Some(v));
+        }
         let iptables_before = bridge_rules();
         operator.start().unwrap();
         agent.start().unwrap();

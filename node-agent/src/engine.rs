@@ -123,6 +123,32 @@ pub struct CommitReport {
     pub skipped: Vec<String>,
 }
 
+/// A Paths commit as planned from the winner, before it touches the parent.
+#[derive(Debug, Clone)]
+pub struct PathsCommit {
+    /// What changed under the globs since the winner's restore.
+    pub diff: Diff,
+    /// Paths to copy (added and modified), sorted.
+    copy: Vec<String>,
+    /// The winner's manifest now: the tarball is checked against it.
+    now: Manifest,
+    skipped: Vec<String>,
+}
+
+impl PathsCommit {
+    /// Every path the commit writes or deletes in the parent.
+    pub fn paths(&self) -> Vec<String> {
+        let mut p: Vec<String> = self
+            .copy
+            .iter()
+            .cloned()
+            .chain(self.diff.deleted.iter().map(|c| c.path.clone()))
+            .collect();
+        p.sort();
+        p
+    }
+}
+
 /// Options for forking.
 #[derive(Debug, Clone, Default)]
 pub struct ForkOptions {
@@ -758,6 +784,18 @@ impl Engine {
         winner: &Sandbox,
         globs: &[String],
     ) -> Result<CommitReport> {
+        let plan = self.plan_paths_commit(winner, globs).await?;
+        self.apply_paths_commit(parent, winner, plan).await
+    }
+
+    /// The first step of a Paths commit, touching only the winner: what it changed
+    /// under `globs` since its restore. The caller may refuse it (the agent checks the
+    /// paths against the parent's commits since the fork point) before applying it.
+    pub async fn plan_paths_commit(
+        &self,
+        winner: &Sandbox,
+        globs: &[String],
+    ) -> Result<PathsCommit> {
         let baseline = winner.baseline.as_ref().ok_or_else(|| {
             Error::Invalid(format!(
                 "branch {} was not forked with tracked paths; no baseline to diff against",
@@ -796,6 +834,27 @@ impl Engine {
         {
             return Err(Error::Invalid(format!("refusing to commit path {p:?}")));
         }
+        Ok(PathsCommit {
+            diff: d,
+            copy,
+            now,
+            skipped,
+        })
+    }
+
+    /// Applies a planned Paths commit into the parent, all or nothing.
+    pub async fn apply_paths_commit(
+        &self,
+        parent: &Sandbox,
+        winner: &Sandbox,
+        plan: PathsCommit,
+    ) -> Result<CommitReport> {
+        let PathsCommit {
+            diff: d,
+            copy,
+            now,
+            skipped,
+        } = plan;
         // Never write or delete through a symlink of the parent: a path whose ancestor
         // (or itself) is a symlink in the parent would land outside the allowlist.
         let touched: Vec<String> = copy
@@ -949,6 +1008,16 @@ impl Engine {
     /// a fresh identity); the old parent sandbox is torn down.
     #[instrument(skip(self, parent, winner), fields(parent = %parent.id, winner = %winner.id))]
     pub async fn commit_full(&self, parent: &mut Sandbox, mut winner: Sandbox) -> Result<()> {
+        self.adopt_as_parent(parent, &mut winner)?;
+        let old = std::mem::replace(parent, winner);
+        self.destroy(old).await
+    }
+
+    /// The first step of a Full commit, touching only the winner: it takes the
+    /// parent's name and index with a fresh identity, and its control outputs
+    /// (verdict, effects) are cleared. Repeatable; the caller records the swap, then
+    /// destroys the old parent (the agent does so in that order, to survive a crash).
+    pub fn adopt_as_parent(&self, parent: &Sandbox, winner: &mut Sandbox) -> Result<()> {
         winner.name = parent.name.clone();
         winner.identity = self.next_identity(
             &parent.name,
@@ -959,9 +1028,7 @@ impl Engine {
         control::write_identity(&winner.control_dir(), &winner.identity)
             .map_err(|e| Error::io("write identity", winner.control_dir(), e))?;
         control::clear_outputs(&winner.control_dir())
-            .map_err(|e| Error::io("clear control dir", winner.control_dir(), e))?;
-        let old = std::mem::replace(parent, winner);
-        self.destroy(old).await
+            .map_err(|e| Error::io("clear control dir", winner.control_dir(), e))
     }
 
     /// Abort: kill and remove everything a sandbox owns (processes, runsc state,

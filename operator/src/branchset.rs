@@ -124,9 +124,6 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
             Err(e) => return Err(e),
         }
     }
-    if let Some(action) = release_next_effect(ctx, bs, resource_version, &plan.status).await? {
-        return Ok(action);
-    }
     crate::metrics::set_phase(
         &ctx.metrics,
         "BranchSet",
@@ -149,6 +146,11 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     for note in &plan.notes {
         ctx.event(&reference, note.warning, note.reason, note.message.clone())
             .await;
+    }
+    // After the Events: what the status write above decided is announced even when an
+    // effect runs next (this reconcile ends there, and the next one decides nothing new).
+    if let Some(action) = release_next_effect(ctx, bs, resource_version, &plan.status).await? {
+        return Ok(action);
     }
 
     // Act: deletions first (losers go at once, all together), then creations.

@@ -328,7 +328,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                     "branchset {branchset} already chose {w}; too late to abort"
                 )));
             }
-            if matches!(st.phase, BranchSetPhase::Exhausted | BranchSetPhase::Failed) {
+            if matches!(
+                st.phase,
+                BranchSetPhase::Exhausted | BranchSetPhase::Failed | BranchSetPhase::Conflict
+            ) {
                 return Err(Error::WrongState(format!(
                     "branchset {branchset} already ended ({:?})",
                     st.phase
@@ -434,12 +437,8 @@ async fn wait_for(
     json_out: bool,
 ) -> Result<ExitCode> {
     let ended = |b: Option<&BranchSet>| {
-        b.and_then(|b| b.status.as_ref()).is_some_and(|s| {
-            matches!(
-                s.phase,
-                BranchSetPhase::Committed | BranchSetPhase::Exhausted | BranchSetPhase::Failed
-            )
-        })
+        b.and_then(|b| b.status.as_ref())
+            .is_some_and(|s| s.phase.is_ended())
     };
     let obj = tokio::time::timeout(timeout, await_condition(api.clone(), name, ended))
         .await

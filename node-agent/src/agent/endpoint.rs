@@ -144,7 +144,7 @@ pub async fn local_sandbox(
         .sandboxes()?
         .records
         .into_iter()
-        .find(|r| r.namespace == namespace && r.name == name)
+        .find(|r| r.namespace == namespace && r.name == name && !r.handed_over)
         .ok_or_else(|| {
             EndpointError::NotFound(format!("no sandbox {namespace}/{name} on this node"))
         })?;

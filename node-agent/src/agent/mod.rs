@@ -9,7 +9,10 @@
 //! anything the API no longer knows is destroyed (no orphans).
 
 pub mod backoff;
+mod commit;
+pub mod commit_guard;
 pub mod endpoint;
+pub mod fault;
 pub mod lease;
 pub mod metrics;
 pub mod pools;
@@ -33,9 +36,9 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use ramify_crds::{
-    BranchSet, BranchSetPhase, ChangeKind, CommitMode, Condition, ConditionStatus, ConditionsExt,
-    DiffSummary, FINALIZER_NODE_CLEANUP, FileChange, REASON_ROOTFS_REFUSED, Sandbox as SandboxObj,
-    SandboxPhase, Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
+    BranchSet, CommitMode, Condition, ConditionStatus, ConditionsExt, DiffSummary,
+    FINALIZER_NODE_CLEANUP, REASON_ROOTFS_REFUSED, Sandbox as SandboxObj, SandboxPhase,
+    Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
 };
 use serde_json::json;
 use tokio::sync::Mutex as AsyncMutex;
@@ -477,6 +480,10 @@ impl Agent {
         ) {
             return Ok(Action::await_change());
         }
+        if self.registry.sandbox(&uid)?.is_some_and(|r| r.handed_over) {
+            info!("this winner's sandbox was handed to its parent by a Full commit");
+            return Ok(Action::await_change());
+        }
         if status.sandbox_id.is_some() {
             // It ran here, and this node no longer has it: report, never restart.
             self.write_sandbox_status(obj, SandboxPhase::Failed, None, (false, "SandboxLost", "the node agent has no record of this sandbox (its state was lost); it is not restarted fresh".into()), json!({})).await?;
@@ -511,12 +518,12 @@ impl Agent {
                     .await?;
                     self.start_fresh(obj, source.clone())
                         .await
-                        .map(|sb| (sb, json!({})))
+                        .map(|sb| (sb, json!({}), None))
                         .map_err(|e| rootfs_class::name_the_field(&class, &source, e))
                 }
             },
         };
-        let (sb, extra) = match started {
+        let (sb, extra, fork_generation) = match started {
             Ok(x) => x,
             Err(e) => {
                 // Refused at the first reconcile and never retried: the spec's rootfs
@@ -548,9 +555,8 @@ impl Agent {
             name: obj.name_any(),
             uid: uid.to_string(),
             sandbox_id: sb.id.clone(),
-            run_epoch: None,
-            last_commit_uid: None,
-            outcome: None,
+            fork_generation,
+            ..Default::default()
         })?;
         let mut extra = extra;
         extra["startedAt"] = json!(now());
@@ -609,12 +615,13 @@ impl Agent {
             .await
     }
 
-    /// Restores a branch (warm pool first, then cold) and returns its provenance.
+    /// Restores a branch (warm pool first, then cold) and returns its provenance and
+    /// its fork point (the parent's commit generation its snapshot recorded).
     async fn restore_branch(
         &self,
         obj: &SandboxObj,
         rf: &ramify_crds::RestoreFrom,
-    ) -> Result<(Sandbox, serde_json::Value)> {
+    ) -> Result<(Sandbox, serde_json::Value, Option<u64>)> {
         let ns = obj.namespace().unwrap_or_default();
         let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
         // The watch cache first (a Ready snapshot of this node is there); the API
@@ -729,7 +736,7 @@ impl Agent {
             "sha256": st.sha256,
             "warm": was_warm,
         }});
-        Ok((sb, extra))
+        Ok((sb, extra, Some(rec.source_commit_generation)))
     }
 
     /// Globs to record right after restore (a Paths commit diffs against them).
@@ -1185,7 +1192,8 @@ impl Agent {
             if status.phase != SnapshotPhase::Ready {
                 // Captured before a crash, not yet reported.
                 let meta = self.engine.store().meta(&rec.image_id)?;
-                self.write_snapshot_ready(snap, &meta, None).await?;
+                self.write_snapshot_ready(snap, &meta, None, rec.source_commit_generation)
+                    .await?;
             }
             return self.keep_pool(snap, &uid, &rec).await;
         }
@@ -1218,16 +1226,24 @@ impl Agent {
             .ttl_seconds
             .and_then(|s| u64::try_from(s).ok())
             .map(Duration::from_secs);
-        let info = {
+        let source_uid = source.uid().unwrap_or_default();
+        let (info, generation) = {
             let mut g = h.lock().await;
             let Some(sb) = g.as_mut() else {
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
+            // The fork point, read under the lock commits take: it is the generation of
+            // exactly the state captured.
+            let generation = self
+                .registry
+                .sandbox(&source_uid)?
+                .map(|r| r.commits.generation)
+                .unwrap_or(0);
             let r = self.engine.snapshot(sb, ttl).await;
             if r.is_ok() {
                 self.engine.persist(sb)?;
             }
-            r
+            (r, generation)
         };
         let info = match info {
             Ok(i) => i,
@@ -1249,8 +1265,9 @@ impl Agent {
             name: snap.name_any(),
             uid: uid.clone(),
             image_id: info.meta.id.clone(),
+            source_commit_generation: generation,
         })?;
-        self.write_snapshot_ready(snap, &info.meta, Some(info.source_pause))
+        self.write_snapshot_ready(snap, &info.meta, Some(info.source_pause), generation)
             .await?;
         self.event(
             snap,
@@ -1330,6 +1347,7 @@ impl Agent {
         snap: &SnapshotObj,
         meta: &crate::store::SnapshotMeta,
         pause: Option<Duration>,
+        source_generation: u64,
     ) -> Result<()> {
         let api: Api<SnapshotObj> =
             Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
@@ -1350,6 +1368,7 @@ impl Agent {
             "sha256": meta.sha256,
             "runscVersion": short_version(&meta.runsc_version),
             "captureMillis": meta.capture_millis,
+            "sourceCommitGeneration": source_generation,
             "sourcePauseMillis": pause.map(millis).unwrap_or(i64::try_from(meta.source_pause_millis).unwrap_or(0)),
             "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
@@ -1393,145 +1412,6 @@ impl Agent {
         )
         .await?;
         self.event(snap, true, reason, message).await;
-        Ok(Action::await_change())
-    }
-
-    // ----- Commit --------------------------------------------------------------
-
-    /// Applies the winner of a BranchSet in `Committing` to its parent, when the parent
-    /// runs on this node. Exactly once: the registry records the BranchSet uid with the
-    /// parent before the result is reported.
-    #[instrument(skip_all, fields(branchset = %bs.name_any()))]
-    async fn reconcile_commit(&self, bs: &BranchSet) -> Result<Action> {
-        let st = bs.status.clone().unwrap_or_default();
-        if st.phase != BranchSetPhase::Committing {
-            return Ok(Action::await_change());
-        }
-        let (Some(winner), Some(parent_name)) = (st.winner.clone(), st.parent.clone()) else {
-            return Ok(Action::await_change());
-        };
-        let ns = bs.namespace().unwrap_or_default();
-        let bs_uid = bs.uid().unwrap_or_default();
-        let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
-        let Some(parent) = sandboxes.get_opt(&parent_name).await? else {
-            return Ok(Action::await_change());
-        };
-        let parent_uid = parent.uid().unwrap_or_default();
-        let Some(mut parent_rec) = self.registry.sandbox(&parent_uid)? else {
-            return Ok(Action::await_change()); // not on this node
-        };
-        if parent
-            .status
-            .as_ref()
-            .and_then(|s| s.last_commit.as_ref())
-            .is_some_and(|c| c.branch_set_uid == bs_uid)
-        {
-            return Ok(Action::await_change());
-        }
-        let t0 = Instant::now();
-        let mode = bs.spec.commit.mode;
-        let mut files = Vec::new();
-        let (mut file_count, mut bytes) = (0i64, 0i64);
-        if parent_rec.last_commit_uid.as_deref() != Some(bs_uid.as_str()) {
-            let winner_obj = sandboxes
-                .get_opt(&format!("{}-{winner}", bs.name_any()))
-                .await?
-                .ok_or_else(|| {
-                    Error::Invalid(format!("winning branch {winner} is gone before its commit"))
-                })?;
-            let winner_uid = winner_obj.uid().unwrap_or_default();
-            let parent_h = self
-                .handle(&parent_uid)
-                .ok_or_else(|| Error::Invalid("parent sandbox has no local handle".into()))?;
-            let winner_h = self.handle(&winner_uid).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "winning branch {winner} is not running on this node"
-                ))
-            })?;
-            match mode {
-                CommitMode::Full => {
-                    let mut pg = parent_h.lock().await;
-                    let w = winner_h
-                        .lock()
-                        .await
-                        .take()
-                        .ok_or_else(|| Error::Invalid("winner already consumed".into()))?;
-                    let p = pg
-                        .as_mut()
-                        .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?;
-                    self.engine.commit_full(p, w).await?;
-                    self.engine.persist(p)?;
-                    // The commit point: the parent's record now names the winner's sandbox.
-                    parent_rec.sandbox_id = p.id.clone();
-                    parent_rec.last_commit_uid = Some(bs_uid.clone());
-                    self.registry.put_sandbox(&parent_rec)?;
-                    self.registry.remove_sandbox(&winner_uid)?;
-                    self.take_handle(&winner_uid);
-                }
-                CommitMode::Paths => {
-                    let pg = parent_h.lock().await;
-                    let wg = winner_h.lock().await;
-                    let (p, w) = (
-                        pg.as_ref()
-                            .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?,
-                        wg.as_ref()
-                            .ok_or_else(|| Error::Invalid("winner sandbox gone".into()))?,
-                    );
-                    let report = self
-                        .engine
-                        .commit_paths(p, w, &bs.spec.commit.paths)
-                        .await?;
-                    parent_rec.last_commit_uid = Some(bs_uid.clone());
-                    self.registry.put_sandbox(&parent_rec)?;
-                    let d = &report.diff;
-                    file_count = i64::try_from(d.added.len() + d.modified.len() + d.deleted.len())
-                        .unwrap_or(i64::MAX);
-                    bytes = i64::try_from(report.bytes).unwrap_or(i64::MAX);
-                    for (list, kind) in [
-                        (&d.added, ChangeKind::Added),
-                        (&d.modified, ChangeKind::Modified),
-                        (&d.deleted, ChangeKind::Deleted),
-                    ] {
-                        for c in list.iter() {
-                            if files.len() < MAX_LISTED_FILES {
-                                files.push(FileChange {
-                                    path: c.path.clone(),
-                                    change: kind,
-                                    size_bytes: i64::try_from(c.size).unwrap_or(i64::MAX),
-                                });
-                            }
-                        }
-                    }
-                }
-            }
-            self.metrics
-                .commit_seconds
-                .observe(t0.elapsed().as_secs_f64());
-        }
-        let commits = parent.status.as_ref().map(|s| s.commits).unwrap_or(0) + 1;
-        let sandbox_id = parent_rec.sandbox_id.clone();
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {
-            "commits": commits,
-            "sandboxId": sandbox_id,
-            "lastCommit": {
-                "branchSet": bs.name_any(), "branchSetUid": bs_uid, "winner": winner, "mode": mode,
-                "files": files, "fileCount": file_count, "bytes": bytes, "at": now(),
-            },
-        }});
-        sandboxes
-            .patch_status(
-                &parent_name,
-                &PatchParams::apply(COMMIT_MANAGER).force(),
-                &Patch::Apply(&body),
-            )
-            .await?;
-        self.event(
-            &parent,
-            false,
-            "Committed",
-            format!("branch {winner} of {} committed ({mode:?})", bs.name_any()),
-        )
-        .await;
         Ok(Action::await_change())
     }
 }

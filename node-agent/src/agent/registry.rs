@@ -8,11 +8,12 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::commit_guard::{CommitLog, PendingFullCommit};
 use crate::error::{Error, Result};
 use crate::private::write_atomic;
 
 /// A Sandbox object backed by a local sandbox.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxRecord {
     pub namespace: String,
     pub name: String,
@@ -32,6 +33,20 @@ pub struct SandboxRecord {
     /// again rather than lost. The first decided outcome is final.
     #[serde(default)]
     pub outcome: Option<serde_json::Value>,
+    /// Its commit generation and what recent commits changed (see `commit_guard`).
+    #[serde(default)]
+    pub commits: CommitLog,
+    /// A Full commit into this sandbox whose clean-up a crash may have cut short.
+    #[serde(default)]
+    pub pending_full_commit: Option<PendingFullCommit>,
+    /// For branches: the parent's commit generation its snapshot recorded.
+    #[serde(default)]
+    pub fork_generation: Option<u64>,
+    /// For a Full commit's winner: its sandbox is the parent's now (the parent's record
+    /// names it). Kept until the object goes, so it is neither re-adopted nor reported
+    /// lost.
+    #[serde(default)]
+    pub handed_over: bool,
 }
 
 /// A Snapshot object backed by a stored image.
@@ -42,6 +57,9 @@ pub struct SnapshotRecord {
     pub uid: String,
     /// The store's image id.
     pub image_id: String,
+    /// The source's commit generation when it was captured (the fork point).
+    #[serde(default)]
+    pub source_commit_generation: u64,
 }
 
 /// A record file that could not be read or parsed.
@@ -228,9 +246,7 @@ mod tests {
             name: "a".into(),
             uid: "0b1c-22".into(),
             sandbox_id: "ramify-x".into(),
-            run_epoch: None,
-            last_commit_uid: None,
-            outcome: None,
+            ..Default::default()
         };
         reg.put_sandbox(&r).unwrap();
         let again = Registry::open(dir.path()).unwrap();
@@ -250,6 +266,10 @@ mod tests {
             run_epoch: None,
             last_commit_uid: None,
             outcome: None,
+            commits: CommitLog::default(),
+            pending_full_commit: None,
+            fork_generation: None,
+            handed_over: false,
         }
     }
 
@@ -267,6 +287,7 @@ mod tests {
             name: "s".into(),
             uid: "cc-3".into(),
             image_id: "img".into(),
+            source_commit_generation: 0,
         })
         .unwrap();
         std::fs::write(dir.path().join("snapshots/dd-4.json"), b"[]").unwrap();

@@ -44,7 +44,26 @@ impl Agent {
             .collect();
         let records = self.registry.sandboxes()?;
         self.skip_corrupt("sandbox", &records.corrupt).await;
+        // Full commits a crash cut short first: their records already name the winner's
+        // sandbox; what is left is the winner's record and the old parent sandbox.
+        for (uid, mut rec) in records.by_uid() {
+            if let Some(pending) = rec.pending_full_commit.clone() {
+                info!(sandbox = %rec.name, retired = %pending.retired_sandbox_id, "finishing a Full commit cut short");
+                let retired = local.remove(&pending.retired_sandbox_id);
+                if let Err(e) = self.finish_full_commit(&mut rec, retired).await {
+                    warn!(sandbox = %rec.name, uid = %uid, error = %e, "could not finish a Full commit's clean-up");
+                }
+            }
+        }
+        let records = self.registry.sandboxes()?;
         for (uid, rec) in records.by_uid() {
+            if rec.handed_over {
+                // A Full commit's winner: its sandbox is its parent's now.
+                if !live.contains(&uid) {
+                    self.registry.remove_sandbox(&uid)?;
+                }
+                continue;
+            }
             match local.remove(&rec.sandbox_id) {
                 Some(sb) if live.contains(&uid) => {
                     info!(sandbox = %rec.name, id = %sb.id, "re-adopted live sandbox");
