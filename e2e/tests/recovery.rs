@@ -19,12 +19,12 @@ kind: Sandbox
 metadata:
   name: other
 spec:
-  rootfs: {{path: {}}}
+  rootfs: {{class: {}}}
   command: ["/bin/sh", "-c", "while true; do sleep 1; done"]
   env: [{{name: PATH, value: /bin}}]
   resources: {{cpu: "1", memory: 128Mi}}
 "#,
-        sys.rootfs.display()
+        sys.rootfs_class
     )
 }
 
