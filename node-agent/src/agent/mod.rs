@@ -1021,17 +1021,32 @@ impl Agent {
         let h = self
             .handle(uid)
             .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
-        // Read without the sandbox's lock, which the run and verdict commands hold for
-        // as long as they run: the directory stays put for the sandbox's life.
-        let control_dir = h
-            .lock()
-            .await
-            .as_ref()
-            .map(Sandbox::control_dir)
-            .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
-        let verdict_file = || match crate::control::read_verdict(&control_dir)? {
-            Verdict::Commit => Some(VerdictValue::Commit),
-            Verdict::Abort => Some(VerdictValue::Abort),
+        // The verdict file is read without waiting for the sandbox's lock, which the run
+        // and verdict commands hold for as long as they run. While the lock is held the
+        // sandbox cannot change, so the directory last seen is read; when it is free the
+        // current one is (a nested Full commit may have swapped the sandbox).
+        let seen_dir = std::sync::Mutex::new(
+            h.lock()
+                .await
+                .as_ref()
+                .map(Sandbox::control_dir)
+                .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?,
+        );
+        let verdict_file = || {
+            let dir = match h.try_lock() {
+                Ok(g) => {
+                    let dir = g.as_ref()?.control_dir();
+                    if let Ok(mut seen) = seen_dir.lock() {
+                        seen.clone_from(&dir);
+                    }
+                    dir
+                }
+                Err(_) => seen_dir.lock().ok()?.clone(),
+            };
+            match crate::control::read_verdict(&dir)? {
+                Verdict::Commit => Some(VerdictValue::Commit),
+                Verdict::Abort => Some(VerdictValue::Abort),
+            }
         };
         let t0 = Instant::now();
 
