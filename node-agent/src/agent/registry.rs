@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -65,6 +66,10 @@ pub struct SnapshotRecord {
 #[derive(Debug, Clone)]
 pub struct Registry {
     dir: PathBuf,
+    /// Held for each write of a sandbox record, so that the read-change-write of
+    /// [`Registry::update_sandbox`] loses no concurrent change to another field (a
+    /// branch's outcome and a commit into it are recorded from different tasks).
+    sandbox_writes: Arc<Mutex<()>>,
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -90,7 +95,10 @@ impl Registry {
             let d = dir.join(sub);
             std::fs::create_dir_all(&d).map_err(|e| Error::io("create", &d, e))?;
         }
-        Ok(Self { dir })
+        Ok(Self {
+            dir,
+            sandbox_writes: Arc::new(Mutex::new(())),
+        })
     }
 
     fn path(&self, kind: &str, uid: &str) -> Result<PathBuf> {
@@ -114,11 +122,38 @@ impl Registry {
         Ok(out)
     }
 
-    pub fn put_sandbox(&self, r: &SandboxRecord) -> Result<()> {
+    fn write_lock(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
+        self.sandbox_writes
+            .lock()
+            .map_err(|_| Error::Join("registry lock poisoned".into()))
+    }
+
+    fn write_sandbox(&self, r: &SandboxRecord) -> Result<()> {
         write_atomic(
             &self.path("sandboxes", &r.uid)?,
             &serde_json::to_vec_pretty(r)?,
         )
+    }
+
+    pub fn put_sandbox(&self, r: &SandboxRecord) -> Result<()> {
+        let _w = self.write_lock()?;
+        self.write_sandbox(r)
+    }
+
+    /// Changes one sandbox record in place, as one step against every other write of
+    /// a sandbox record; returns the record as written (`None`: there is none).
+    pub fn update_sandbox(
+        &self,
+        uid: &str,
+        change: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<Option<SandboxRecord>> {
+        let _w = self.write_lock()?;
+        let Some(mut r) = self.sandbox(uid)? else {
+            return Ok(None);
+        };
+        change(&mut r);
+        self.write_sandbox(&r)?;
+        Ok(Some(r))
     }
 
     pub fn sandbox(&self, uid: &str) -> Result<Option<SandboxRecord>> {
@@ -202,6 +237,12 @@ mod tests {
         assert_eq!(again.sandbox("0b1c-22").unwrap(), Some(r));
         assert_eq!(again.sandboxes().unwrap().len(), 1);
         assert!(again.sandbox("../../etc/passwd").is_err());
+        let changed = again
+            .update_sandbox("0b1c-22", |r| r.handed_over = true)
+            .unwrap()
+            .unwrap();
+        assert!(changed.handed_over && again.sandbox("0b1c-22").unwrap().unwrap().handed_over);
+        assert!(again.update_sandbox("absent", |_| {}).unwrap().is_none());
         again.remove_sandbox("0b1c-22").unwrap();
         assert!(again.sandbox("0b1c-22").unwrap().is_none());
     }
