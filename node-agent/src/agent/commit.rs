@@ -193,7 +193,7 @@ impl Agent {
                     retired_sandbox_id: p.id.clone(),
                 });
                 rec.sandbox_id = w.id.clone();
-                self.registry.put_sandbox(&rec)?;
+                self.save_commit_state(&rec)?;
                 fault::hold(fault::FULL_COMMIT_RECORDED).await;
                 let w = wg
                     .take()
@@ -221,13 +221,13 @@ impl Agent {
                         return Ok(Applied::Refused(c));
                     }
                     rec.commits.record(&bs_uid, Promotes::Paths(&paths), false);
-                    self.registry.put_sandbox(&rec)?;
+                    self.save_commit_state(&rec)?;
                     fault::hold(fault::PATHS_COMMIT_ADMITTED).await;
                 }
                 let report = self.engine.apply_paths_commit(p, w, plan).await?;
                 rec.commits.mark_applied(&bs_uid);
                 rec.last_commit_uid = Some(bs_uid);
-                self.registry.put_sandbox(&rec)?;
+                self.save_commit_state(&rec)?;
                 Ok(Applied::Done(Box::new(rec), promoted_files(&report)))
             }
         }
@@ -289,17 +289,34 @@ impl Agent {
         let Some(pending) = rec.pending_full_commit.clone() else {
             return Ok(());
         };
-        if let Some(mut w) = self.registry.sandbox(&pending.winner_uid)?
-            && !w.handed_over
-        {
-            w.handed_over = true;
-            self.registry.put_sandbox(&w)?;
-        }
+        self.registry
+            .update_sandbox(&pending.winner_uid, |w| w.handed_over = true)?;
         if let Some(old) = retired {
             self.engine.destroy(old).await?;
         }
         rec.pending_full_commit = None;
-        self.registry.put_sandbox(rec)
+        self.save_commit_state(rec)
+    }
+
+    /// Writes what a commit owns in the parent's record (the generation and log, the
+    /// sandbox it names, the pending clean-up), leaving the rest as it is on disk: a
+    /// branch's outcome may be recorded meanwhile when the parent is itself a branch.
+    /// Commits into one parent are serialised by its lock, so these fields have no
+    /// other writer.
+    fn save_commit_state(&self, rec: &SandboxRecord) -> Result<()> {
+        let saved = self.registry.update_sandbox(&rec.uid, |r| {
+            r.sandbox_id.clone_from(&rec.sandbox_id);
+            r.last_commit_uid.clone_from(&rec.last_commit_uid);
+            r.commits.clone_from(&rec.commits);
+            r.pending_full_commit.clone_from(&rec.pending_full_commit);
+        })?;
+        match saved {
+            Some(_) => Ok(()),
+            None => Err(Error::Invalid(format!(
+                "the record of {} vanished during its commit",
+                rec.name
+            ))),
+        }
     }
 }
 

@@ -935,10 +935,8 @@ impl Agent {
         env.push(("RAMIFY_BRANCH_INDEX".into(), branch.index.to_string()));
         env.push(("RAMIFY_BRANCHSET".into(), branch.branch_set.clone()));
         let timeout = Duration::from_secs(u64::try_from(bs.spec.timeout_seconds).unwrap_or(600));
-        if let Some(mut rec) = self.registry.sandbox(uid)? {
-            rec.run_epoch = Some(self.epoch.clone());
-            self.registry.put_sandbox(&rec)?;
-        }
+        self.registry
+            .update_sandbox(uid, |rec| rec.run_epoch = Some(self.epoch.clone()))?;
         let h = self
             .handle(uid)
             .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
@@ -1113,20 +1111,13 @@ impl Agent {
         // Record before reporting; an outcome already recorded is final (a later
         // fallback, e.g. "run failed" after the report itself failed, must not
         // replace the verdict the branch reached).
-        let outcome = match obj
-            .uid()
-            .and_then(|u| self.registry.sandbox(&u).ok().flatten())
-        {
-            Some(mut rec) => match rec.outcome.clone() {
-                Some(first) => first,
-                None => {
-                    rec.outcome = Some(decided.clone());
-                    self.registry.put_sandbox(&rec)?;
-                    decided
-                }
-            },
-            None => decided,
+        let recorded = match obj.uid() {
+            Some(u) => self.registry.update_sandbox(&u, |rec| {
+                rec.outcome.get_or_insert_with(|| decided.clone());
+            })?,
+            None => None,
         };
+        let outcome = recorded.and_then(|r| r.outcome).unwrap_or(decided);
         self.report_outcome(&api, &obj.name_any(), &outcome).await?;
         info!(sandbox = %obj.name_any(), ?verdict, "branch verdict");
         Ok(())

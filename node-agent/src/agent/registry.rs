@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -107,6 +108,10 @@ impl<T: Keyed> Listing<T> {
 #[derive(Debug, Clone)]
 pub struct Registry {
     dir: PathBuf,
+    /// Held for each write of a sandbox record, so that the read-change-write of
+    /// [`Registry::update_sandbox`] loses no concurrent change to another field (a
+    /// branch's outcome and a commit into it are recorded from different tasks).
+    sandbox_writes: Arc<Mutex<()>>,
 }
 
 fn valid_uid(uid: &str) -> Result<()> {
@@ -125,7 +130,10 @@ impl Registry {
         for sub in ["sandboxes", "snapshots"] {
             crate::private::dir_all(&dir.join(sub))?;
         }
-        Ok(Self { dir })
+        Ok(Self {
+            dir,
+            sandbox_writes: Arc::new(Mutex::new(())),
+        })
     }
 
     fn path(&self, kind: &str, uid: &str) -> Result<PathBuf> {
@@ -171,11 +179,38 @@ impl Registry {
         Ok(aside)
     }
 
-    pub fn put_sandbox(&self, r: &SandboxRecord) -> Result<()> {
+    fn write_lock(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
+        self.sandbox_writes
+            .lock()
+            .map_err(|_| Error::Join("registry lock poisoned".into()))
+    }
+
+    fn write_sandbox(&self, r: &SandboxRecord) -> Result<()> {
         write_atomic(
             &self.path("sandboxes", &r.uid)?,
             &serde_json::to_vec_pretty(r)?,
         )
+    }
+
+    pub fn put_sandbox(&self, r: &SandboxRecord) -> Result<()> {
+        let _w = self.write_lock()?;
+        self.write_sandbox(r)
+    }
+
+    /// Changes one sandbox record in place, as one step against every other write of
+    /// a sandbox record; returns the record as written (`None`: there is none).
+    pub fn update_sandbox(
+        &self,
+        uid: &str,
+        change: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<Option<SandboxRecord>> {
+        let _w = self.write_lock()?;
+        let Some(mut r) = self.sandbox(uid)? else {
+            return Ok(None);
+        };
+        change(&mut r);
+        self.write_sandbox(&r)?;
+        Ok(Some(r))
     }
 
     pub fn sandbox(&self, uid: &str) -> Result<Option<SandboxRecord>> {
@@ -253,6 +288,12 @@ mod tests {
         assert_eq!(again.sandbox("0b1c-22").unwrap(), Some(r));
         assert_eq!(again.sandboxes().unwrap().by_uid().len(), 1);
         assert!(again.sandbox("../../etc/passwd").is_err());
+        let changed = again
+            .update_sandbox("0b1c-22", |r| r.handed_over = true)
+            .unwrap()
+            .unwrap();
+        assert!(changed.handed_over && again.sandbox("0b1c-22").unwrap().unwrap().handed_over);
+        assert!(again.update_sandbox("absent", |_| {}).unwrap().is_none());
         again.remove_sandbox("0b1c-22").unwrap();
         assert!(again.sandbox("0b1c-22").unwrap().is_none());
     }
