@@ -96,6 +96,24 @@ impl Cache {
             .collect()
     }
 
+    /// Every cached Sandbox (capacity accounting reads them all).
+    pub fn all_sandboxes(&self) -> Vec<Sandbox> {
+        self.sandboxes
+            .state()
+            .iter()
+            .filter_map(|g| g.0.as_ref().ok().cloned())
+            .collect()
+    }
+
+    /// Every cached Snapshot (their warm pools hold capacity).
+    pub fn all_snapshots(&self) -> Vec<Snapshot> {
+        self.snapshots
+            .state()
+            .iter()
+            .filter_map(|g| g.0.as_ref().ok().cloned())
+            .collect()
+    }
+
     /// Sandboxes bound to `node` (capacity accounting).
     pub fn sandboxes_on(&self, node: &str) -> usize {
         self.sandboxes
@@ -135,6 +153,8 @@ pub struct Context {
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub settings: Settings,
+    /// The node agents' Leases, listed at most every few seconds.
+    pub nodes: crate::nodes::NodeCache,
 }
 
 impl Context {
@@ -159,6 +179,7 @@ impl Context {
             metrics,
             recorder,
             settings,
+            nodes: crate::nodes::NodeCache::default(),
         }
     }
 

@@ -26,6 +26,9 @@ pub enum Error {
     /// The informer cache cannot serve reads (its watch was dropped).
     #[error("informer cache: {0}")]
     Cache(String),
+    /// An API call did not answer in time (an overloaded API server); retried.
+    #[error("{0}: no answer from the API server in time")]
+    Timeout(String),
 }
 
 impl Error {
@@ -39,6 +42,7 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::NoNode => "no_node",
             Error::Cache(_) => "cache",
+            Error::Timeout(_) => "timeout",
         }
     }
 

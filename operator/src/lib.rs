@@ -3,6 +3,7 @@
 //! enforces first-commit-wins. Node agents do the runsc work and report through status.
 
 pub mod branchset;
+pub mod capacity;
 pub mod context;
 pub mod effects;
 pub mod error;
@@ -12,6 +13,7 @@ pub mod nodes;
 pub mod plan;
 pub mod sandbox;
 pub mod snapshot;
+pub mod writes;
 
 use std::sync::Arc;
 use std::time::Duration;

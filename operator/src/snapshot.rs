@@ -153,19 +153,21 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     if let Some(node) = &node {
         body["status"]["nodeName"] = json!(node);
     }
-    match api
-        .patch_status(
+    let bound = crate::writes::within(
+        "snapshot binding",
+        api.patch_status(
             &name,
             &PatchParams::apply(BINDING_MANAGER).force(),
             &Patch::Apply(&body),
-        )
-        .await
-    {
+        ),
+    )
+    .await;
+    match bound {
         Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {
+        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
             return Err(Error::Conflict(format!("snapshot {name}")));
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(e),
     }
     Ok(if node.is_some() {
         Action::await_change()
