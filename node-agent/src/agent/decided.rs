@@ -76,6 +76,17 @@ impl Agent {
         }
     }
 
+    /// A commit Full swapped another sandbox in under this branch (it was the parent
+    /// of a nested set): freezes and thaws now go to that one.
+    pub(super) fn rehome_branch(&self, uid: &str, sb: &Sandbox) {
+        if let Ok(mut p) = self.decided.places.lock()
+            && let Some(place) = p.get_mut(uid)
+        {
+            place.cgroups_path = sb.cgroups_path().to_string();
+            place.dir = sb.dir.clone();
+        }
+    }
+
     /// The branch is going (deleted) or handed over (committed Full): no freeze may
     /// target it any more.
     pub(super) fn forget_branch(&self, uid: &str) {
@@ -96,7 +107,7 @@ impl Agent {
         if self.decided.is_frozen(uid) {
             return;
         }
-        let Some(place) = self.decided.place(uid) else {
+        let Some(place) = self.decided.place(uid).filter(|p| p.dir.exists()) else {
             return;
         };
         let r = async {
@@ -142,7 +153,8 @@ impl Agent {
 
     /// Thaws a frozen branch for its commit (waits for a person's look to end first).
     pub(super) async fn thaw_branch(&self, uid: &str) -> Result<()> {
-        let Some(place) = self.decided.place(uid) else {
+        // Gone already (destroyed): nothing is frozen.
+        let Some(place) = self.decided.place(uid).filter(|p| p.dir.exists()) else {
             return Ok(());
         };
         let dir = place.dir.clone();

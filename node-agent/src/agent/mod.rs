@@ -1602,6 +1602,9 @@ impl Agent {
                         .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?;
                     self.engine.commit_full(p, w).await?;
                     self.engine.persist(p)?;
+                    // A parent that is itself a branch (nested sets) lives on in the
+                    // winner's sandbox now.
+                    self.rehome_branch(&parent_uid, p);
                     // The commit point: the parent's record now names the winner's sandbox.
                     parent_rec.sandbox_id = p.id.clone();
                     parent_rec.last_commit_uid = Some(bs_uid.clone());
