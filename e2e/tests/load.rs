@@ -282,32 +282,37 @@ async fn deleting_a_hundred_replica_set_mid_restore_leaves_the_node_clean_within
     let (sys, ws) = with_workspace("loaddel").await;
     let ws_id = ws.status.unwrap().sandbox_id.unwrap();
     sys.apply(&wide("wide", "workspace"));
-    // Catch a branch in the middle of its restore and delete it there, then the set.
+    // Catch branches in the middle of their restore and delete them there (three, one
+    // after the other), then the whole set.
     let deadline = Instant::now() + Duration::from_secs(300);
-    let restoring = loop {
+    let mut caught: Vec<String> = Vec::new();
+    while caught.len() < 3 {
         let found = branches(&sys, "wide").await.into_iter().find(|s| {
-            s.status.as_ref().is_some_and(|st| {
-                st.phase == SandboxPhase::Starting
-                    && st
-                        .conditions
-                        .iter()
-                        .any(|c| c.type_ == "Ready" && c.reason == "Restoring")
-            })
+            s.metadata.deletion_timestamp.is_none()
+                && s.status.as_ref().is_some_and(|st| {
+                    st.phase == SandboxPhase::Starting
+                        && st
+                            .conditions
+                            .iter()
+                            .any(|c| c.type_ == "Ready" && c.reason == "Restoring")
+                })
         });
         if let Some(s) = found {
-            break s.metadata.name.unwrap();
+            let name = s.metadata.name.unwrap();
+            sys.sandboxes()
+                .delete(&name, &DeleteParams::default())
+                .await
+                .unwrap();
+            caught.push(name);
+            continue;
         }
         assert!(
             Instant::now() < deadline,
-            "no branch was seen restoring\n{}",
+            "only {caught:?} were seen restoring\n{}",
             sys.diagnostics()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    sys.sandboxes()
-        .delete(&restoring, &DeleteParams::default())
-        .await
-        .unwrap();
+    }
     // Mid-run: some branches have run, more wait.
     let deadline = Instant::now() + Duration::from_secs(300);
     while !branches(&sys, "wide").await.iter().any(undecided_running) {
@@ -334,7 +339,7 @@ async fn deleting_a_hundred_replica_set_mid_restore_leaves_the_node_clean_within
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     println!(
-        "deleted mid-run (one branch mid-restore first): node clean {:.1} s after the delete",
+        "deleted mid-run ({caught:?} each deleted mid-restore first): node clean {:.1} s after the delete",
         t0.elapsed().as_secs_f64()
     );
     sys.teardown_and_check_clean().await;

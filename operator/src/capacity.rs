@@ -75,9 +75,9 @@ fn waiting(s: &Sandbox) -> bool {
 }
 
 /// Memory the warm pools on `node` keep (their branches are frozen: no CPU).
-pub fn pools_on(node: &str, snapshots: &[Snapshot], sandboxes: &[Sandbox]) -> Requests {
+pub fn pools_on(node: &str, snapshots: &[&Snapshot], sandboxes: &[&Sandbox]) -> Requests {
     let mut total = Requests::ZERO;
-    for snap in snapshots {
+    for &snap in snapshots {
         let st = snap.status.clone().unwrap_or_default();
         let size = snap.spec.warm_pool.as_ref().map(|w| w.size).unwrap_or(0);
         if st.node_name.as_deref() != Some(node) || st.phase != SnapshotPhase::Ready || size <= 0 {
@@ -107,7 +107,7 @@ pub fn decide(
     cand: &Sandbox,
     node: &str,
     allocatable: &Requests,
-    sandboxes: &[Sandbox],
+    sandboxes: &[&Sandbox],
     reserved: &Requests,
     target: &dyn Fn(&Sandbox) -> Option<String>,
 ) -> Decision {
@@ -119,7 +119,7 @@ pub fn decide(
     let mut used = *reserved;
     let mut running: std::collections::HashMap<String, usize> = Default::default();
     let mut queue = Vec::new();
-    for s in sandboxes {
+    for &s in sandboxes {
         let is_cand = s.metadata.uid.as_deref() == cand_uid && cand_uid.is_some();
         if placed_on(s) == Some(node) && !is_cand {
             let h = holds(s);
@@ -154,7 +154,7 @@ pub fn decide(
 pub fn choose(
     cand: &Sandbox,
     agents: &[NodeAgent],
-    sandboxes: &[Sandbox],
+    sandboxes: &[&Sandbox],
     reserved: &dyn Fn(&str) -> Requests,
     target: &dyn Fn(&Sandbox) -> Option<String>,
 ) -> Option<Result<String, Decision>> {
@@ -239,7 +239,7 @@ mod tests {
     fn a_request_that_does_not_fit_waits_with_the_numbers() {
         let ws = sbx("ws", "1", json!({"phase": "Running", "nodeName": "vm"}));
         let big = sbx("big", "1", json!({}));
-        let all = vec![ws.clone(), big.clone()];
+        let all = [&ws, &big];
         match decide(&big, "vm", &alloc(), &all, &Requests::ZERO, &pinned) {
             Decision::Wait(m) => assert!(
                 m.starts_with("waiting for capacity on node vm: 1 of 1.6 CPU"),
@@ -254,7 +254,7 @@ mod tests {
                 &big,
                 "vm",
                 &alloc(),
-                &[ended, big.clone()],
+                &[&ended, &big],
                 &Requests::ZERO,
                 &pinned
             ),
@@ -262,14 +262,7 @@ mod tests {
         );
         let huge = sbx("huge", "3", json!({}));
         assert!(matches!(
-            decide(
-                &huge,
-                "vm",
-                &alloc(),
-                std::slice::from_ref(&huge),
-                &Requests::ZERO,
-                &pinned
-            ),
+            decide(&huge, "vm", &alloc(), &[&huge], &Requests::ZERO, &pinned),
             Decision::TooBig(_)
         ));
     }
@@ -286,7 +279,7 @@ mod tests {
         let started = branch("bs", 1, json!({"phase": "Starting"}));
         let next = branch("bs", 2, json!({}));
         let after = branch("bs", 3, json!({}));
-        let all = vec![ws, decided, started, next.clone(), after.clone()];
+        let all = [&ws, &decided, &started, &next, &after];
         assert_eq!(
             decide(&next, "vm", &alloc(), &all, &Requests::ZERO, &pinned),
             Decision::Bind
@@ -313,15 +306,15 @@ mod tests {
         for i in 1..100 {
             all.push(branch("big", i, json!({})));
         }
-        let small = branch("small", 0, json!({}));
-        all.push(small.clone());
+        all.push(branch("small", 0, json!({})));
+        let all: Vec<&Sandbox> = all.iter().collect();
         // One slot of 500m is left: the small set's first branch takes it.
         assert_eq!(
-            decide(&small, "vm", &alloc(), &all, &Requests::ZERO, &pinned),
+            decide(all[101], "vm", &alloc(), &all, &Requests::ZERO, &pinned),
             Decision::Bind
         );
         assert!(matches!(
-            decide(&all[2], "vm", &alloc(), &all, &Requests::ZERO, &pinned),
+            decide(all[2], "vm", &alloc(), &all, &Requests::ZERO, &pinned),
             Decision::Wait(_)
         ));
     }
@@ -342,26 +335,17 @@ mod tests {
         let none = |_: &str| Requests::ZERO;
         let any = |_: &Sandbox| None;
         assert_eq!(
-            choose(&cand, &agents, std::slice::from_ref(&cand), &none, &any),
+            choose(&cand, &agents, &[&cand], &none, &any),
             Some(Ok("big".into()))
         );
         assert!(matches!(
-            choose(
-                &cand,
-                &agents[..1],
-                std::slice::from_ref(&cand),
-                &none,
-                &any
-            ),
+            choose(&cand, &agents[..1], &[&cand], &none, &any),
             Some(Err(Decision::TooBig(_)))
         ));
         let legacy = [NodeAgent {
             allocatable: None,
             ..agent("old", 0)
         }];
-        assert_eq!(
-            choose(&cand, &legacy, std::slice::from_ref(&cand), &none, &any),
-            None
-        );
+        assert_eq!(choose(&cand, &legacy, &[&cand], &none, &any), None);
     }
 }

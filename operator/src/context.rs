@@ -96,22 +96,16 @@ impl Cache {
             .collect()
     }
 
-    /// Every cached Sandbox (capacity accounting reads them all).
-    pub fn all_sandboxes(&self) -> Vec<Sandbox> {
-        self.sandboxes
-            .state()
-            .iter()
-            .filter_map(|g| g.0.as_ref().ok().cloned())
-            .collect()
-    }
-
-    /// Every cached Snapshot (their warm pools hold capacity).
-    pub fn all_snapshots(&self) -> Vec<Snapshot> {
-        self.snapshots
-            .state()
-            .iter()
-            .filter_map(|g| g.0.as_ref().ok().cloned())
-            .collect()
+    /// Every cached Sandbox and Snapshot, shared rather than copied (capacity
+    /// accounting reads them all on every look at a waiting sandbox).
+    #[allow(clippy::type_complexity)]
+    pub fn everything(
+        &self,
+    ) -> (
+        Vec<std::sync::Arc<DeserializeGuard<Sandbox>>>,
+        Vec<std::sync::Arc<DeserializeGuard<Snapshot>>>,
+    ) {
+        (self.sandboxes.state(), self.snapshots.state())
     }
 
     /// Sandboxes bound to `node` (capacity accounting).

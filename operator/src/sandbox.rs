@@ -114,7 +114,8 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
             .await?;
         ctx.cache.synced().await?;
         let count = |node: &str| u32::try_from(ctx.cache.sandboxes_on(node)).unwrap_or(u32::MAX);
-        let (all, snaps) = (ctx.cache.all_sandboxes(), ctx.cache.all_snapshots());
+        let (sbx_state, snap_state) = ctx.cache.everything();
+        let (all, snaps) = (oks(&sbx_state), oks(&snap_state));
         let chosen = capacity::choose(
             sbx,
             &agents,
@@ -154,7 +155,8 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
             .and_then(|a| a.allocatable)
         {
             ctx.cache.synced().await?;
-            let (all, snaps) = (ctx.cache.all_sandboxes(), ctx.cache.all_snapshots());
+            let (sbx_state, snap_state) = ctx.cache.everything();
+            let (all, snaps) = (oks(&sbx_state), oks(&snap_state));
             let reserved = capacity::pools_on(&node, &snaps, &all);
             let d = capacity::decide(sbx, &node, &alloc, &all, &reserved, &|s| {
                 target_node(ctx, s)
@@ -294,6 +296,11 @@ async fn unschedulable(
         ctx.event(&sbx.object_ref(&()), true, reason, message).await;
     }
     Ok(retry)
+}
+
+/// The objects of a cache snapshot that deserialized.
+fn oks<K>(state: &[std::sync::Arc<DeserializeGuard<K>>]) -> Vec<&K> {
+    state.iter().filter_map(|g| g.0.as_ref().ok()).collect()
 }
 
 /// The node a not-yet-bound sandbox is meant for: its pin, else its snapshot's node;
