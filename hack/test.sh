@@ -50,7 +50,7 @@ step "node agent again on the current runsc ($("$current_runsc" --version | head
 RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --include-ignored 2>&1 | tee -a "$results"
 
 # Its own ports, so a demo already running on this machine does not collide.
-step "the demo end to end (make demo), checked for a committed winner"
+step "the demo end to end (make demo), checked for a committed winner, then every README kubectl ramify example"
 demo_log="$(mktemp)"
 if ! env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh >"$demo_log" 2>&1; then
   cat "$demo_log"; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1
@@ -58,8 +58,14 @@ fi
 tail -n 12 "$demo_log"
 grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1; }
 grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1; }
+# Every `kubectl ramify` example of the README, as printed, against the running demo.
+if ! env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo-check.sh 2>&1 | tee -a "$demo_log"; then
+  echo "a README kubectl ramify example failed against the demo" >&2
+  tail -n 20 .ramify/demo/api.log >&2 || true
+  env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down || true; exit 1
+fi
 env -u RAMIFY_CP_DIR RAMIFY_CP_PORT_BASE=16640 hack/demo.sh down
-echo "test result: ok. 1 passed; 0 failed; 0 ignored (make demo)" >>"$results"
+echo "test result: ok. 2 passed; 0 failed; 0 ignored (make demo, README examples)" >>"$results"
 
 # One closing line for the whole run.
 passed=$(grep -o '[0-9]* passed' "$results" | awk '{s+=$1} END {print s+0}')

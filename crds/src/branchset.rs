@@ -305,7 +305,8 @@ pub struct BranchSetStatus {
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Observations, keyed by type: `Forked`, `Decided`, `Ready`.
+    /// Observations, keyed by type: `Forked`, `Decided`, `Ready`; `Reconciled` and
+    /// `NodeReconciled` when the operator or a node agent failed on it for good.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,

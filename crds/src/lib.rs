@@ -4,11 +4,14 @@
 pub mod branchset;
 pub mod capacity;
 pub mod common;
+pub mod rootfsclass;
 pub mod sandbox;
 pub mod snapshot;
+pub mod subresources;
 
 pub use branchset::*;
 pub use common::*;
+pub use rootfsclass::*;
 pub use sandbox::*;
 pub use snapshot::*;
 
@@ -20,7 +23,12 @@ use kube::CustomResourceExt;
 /// Every CRD of the API, in install order, with descriptions reflowed for
 /// `kubectl explain`.
 pub fn all_crds() -> Vec<CustomResourceDefinition> {
-    let mut crds = vec![Sandbox::crd(), Snapshot::crd(), BranchSet::crd()];
+    let mut crds = vec![
+        Sandbox::crd(),
+        Snapshot::crd(),
+        BranchSet::crd(),
+        RootfsClass::crd(),
+    ];
     for crd in &mut crds {
         for version in &mut crd.spec.versions {
             if let Some(schema) = version

@@ -40,8 +40,8 @@ pub struct SandboxSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 1024))]
     pub image: Option<String>,
-    /// A root filesystem already present on the node (standalone mode). Exactly one of
-    /// `image` or `rootfs` is set.
+    /// A root filesystem the cluster administrator declared (a `RootfsClass`), for
+    /// standalone mode. Exactly one of `image` or `rootfs` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rootfs: Option<Rootfs>,
     /// The command of the sandbox's first process (argv). Required unless `restoreFrom`
@@ -81,19 +81,29 @@ pub struct SandboxSpec {
     pub allow_snapshot_with_secrets: bool,
 }
 
-/// A root filesystem on the node.
+/// Which administrator-declared root filesystem a sandbox starts from. A Sandbox names
+/// a cluster-scoped `RootfsClass`; it can never name a node directory itself.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(self.path)").message("spec.rootfs.path is not accepted: a Sandbox cannot name a node directory; set spec.rootfs.class to a RootfsClass declared by the cluster administrator").field_path(".path"),
+    validation = Rule::new("!has(self.ociRef)").message("spec.rootfs.ociRef is not accepted: a Sandbox cannot name a node OCI layout; set spec.rootfs.class to a RootfsClass declared by the cluster administrator").field_path(".ociRef"),
+    validation = Rule::new("has(self.class)").message("spec.rootfs.class must name a RootfsClass").field_path(".class"),
+)]
 pub struct Rootfs {
-    /// Absolute path of a root filesystem directory, or of an OCI image layout
-    /// directory when `ociRef` is set.
-    #[x_kube(validation = Rule::new("self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("spec.rootfs.path must be an absolute path without '..'"))]
-    #[schemars(length(min = 1, max = 4096))]
-    pub path: String,
-    /// Reference (tag) inside the OCI image layout at `path`; when empty, `path` is a
-    /// plain directory.
+    /// Name of a cluster-scoped RootfsClass (`kubectl get rootfsclasses`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 256))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')").message("spec.rootfs.class must be a lowercase DNS subdomain name"))]
+    #[schemars(length(min = 1, max = 253))]
+    pub class: Option<String>,
+    /// Removed: always rejected (a tenant must not name a node path). Kept in the
+    /// schema so the API server says why instead of pruning it silently.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub path: Option<String>,
+    /// Removed: always rejected, like `path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
     pub oci_ref: Option<String>,
 }
 
@@ -243,7 +253,8 @@ pub struct SandboxStatus {
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Observations, keyed by type: `Scheduled`, `Ready`.
+    /// Observations, keyed by type: `Scheduled`, `Ready`; `Reconciled` and
+    /// `NodeReconciled` when the operator or a node agent failed on it for good.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,

@@ -5,6 +5,7 @@
 //! kube-controller-manager on loopback. When the control plane cannot start, the error
 //! says why and the test fails; it never skips.
 
+pub mod access;
 pub mod system;
 
 use std::path::{Path, PathBuf};

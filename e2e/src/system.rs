@@ -8,9 +8,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::wait::await_condition;
-use ramify_crds::{BranchSet, LABEL_BRANCHSET, Sandbox, SandboxPhase};
+use ramify_crds::{BranchSet, LABEL_BRANCHSET, RootfsClass, Sandbox, SandboxPhase};
 
 use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, repo_root};
 
@@ -23,11 +23,20 @@ pub struct System {
     pub agent: Component,
     pub state_dir: PathBuf,
     pub runsc: PathBuf,
+    /// The busybox root filesystem, inside [`System::rootfs_root`].
     pub rootfs: PathBuf,
+    /// The namespace of the agent's Lease (where ramify-api looks up its endpoint).
+    pub system_namespace: String,
+    /// Certificates of ramify-api and the agent endpoint (`hack/pki.sh`).
+    pub pki: PathBuf,
+    /// Where the components log.
+    pub log_dir: PathBuf,
+    /// The agent's one `--rootfs-root` (shared by every e2e system).
+    pub rootfs_root: PathBuf,
+    /// The RootfsClass naming [`System::rootfs`]: what every test Sandbox starts from.
+    pub rootfs_class: String,
     /// Names this system's cgroup parent (`/ramify-e2e-<suffix>`).
     suffix: String,
-    /// Where the agent's node Lease lives.
-    system_namespace: String,
     /// The e2e bridge's iptables rules from before this system started.
     iptables_before: Vec<String>,
 }
@@ -97,7 +106,8 @@ impl System {
             .join(format!("{name}-{suffix}"));
         std::fs::create_dir_all(&base).unwrap();
         let state_dir = base.join("agent");
-        let rootfs = repo_root().join(".ramify/e2e/rootfs");
+        let rootfs_root = repo_root().join(".ramify/e2e/roots");
+        let rootfs = rootfs_root.join("busybox");
         let agent_bin = binary("ramify-node-agent").unwrap();
         let out = Command::new(&agent_bin)
             .args(["rootfs", "--out"])
@@ -109,7 +119,9 @@ impl System {
             "rootfs: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        let rootfs_class = declare_rootfs_class(&client, ROOTFS_CLASS, &rootfs).await;
         let runsc = runsc();
+        let pki = crate::access::pki(&base.join("pki"), &system_ns.name);
         let kubeconfig = cp.kubeconfig.to_string_lossy().into_owned();
         let env = vec![
             ("KUBECONFIG".to_string(), kubeconfig),
@@ -154,6 +166,19 @@ impl System {
                 // Its own cgroup parent: what is left under it is this system's.
                 "--cgroup-parent".into(),
                 format!("/ramify-e2e-{suffix}"),
+                // The mTLS endpoint ramify-api dials (any free port; the Lease says which).
+                "--endpoint-listen".into(),
+                "127.0.0.1:0".into(),
+                "--endpoint-cert".into(),
+                pki.join("agent.crt").to_string_lossy().into_owned(),
+                "--endpoint-key".into(),
+                pki.join("agent.key").to_string_lossy().into_owned(),
+                "--endpoint-client-ca".into(),
+                pki.join("ca.crt").to_string_lossy().into_owned(),
+                "--rootfs-root".into(),
+                rootfs_root.to_string_lossy().into_owned(),
+                "--rootfs-cache".into(),
+                base.join("rootfs-cache").to_string_lossy().into_owned(),
                 "--reserve-cpu".into(),
                 RESERVE_CPU.into(),
                 "--reserve-memory".into(),
@@ -177,20 +202,25 @@ impl System {
             state_dir,
             runsc,
             rootfs,
-            suffix: suffix.to_string(),
             system_namespace: system_ns.name.clone(),
+            pki,
+            log_dir: base,
+            rootfs_root,
+            rootfs_class,
+            suffix: suffix.to_string(),
             iptables_before,
         }
+    }
+
+    /// Starts ramify-api for this system and registers it with the control plane
+    /// (what `kubectl ramify exec|logs|diff` go through).
+    pub fn start_api(&self) -> crate::access::ApiServer {
+        crate::access::ApiServer::start(&self.cp, &self.system_namespace, &self.pki, &self.log_dir)
     }
 
     /// The cgroup every sandbox of this system's agent lives under (its ceiling).
     pub fn cgroup_parent(&self) -> String {
         format!("ramify-e2e-{}", self.suffix)
-    }
-
-    /// The namespace of the agent's node Lease.
-    pub fn system_namespace(&self) -> String {
-        self.system_namespace.clone()
     }
 
     /// The node name this system's agent announces.
@@ -385,12 +415,12 @@ kind: Sandbox
 metadata:
   name: {name}
 spec:
-  rootfs: {{path: {}}}
+  rootfs: {{class: {}}}
   command: ["/bin/sh", "-c", "{script}"]
   env: [{{name: PATH, value: /bin}}]
   resources: {{cpu: "{cpu}", memory: {memory}}}
 "#,
-            self.rootfs.display()
+            self.rootfs_class
         )
     }
 
@@ -456,6 +486,68 @@ spec:
         self.agent.kill().unwrap();
         remove_cgroup_parents(&format!("ramify-e2e-{}", self.suffix));
     }
+}
+
+/// The RootfsClass of the e2e busybox rootfs (cluster-scoped, shared by every system).
+pub const ROOTFS_CLASS: &str = "e2e-busybox";
+
+/// Declares (server-side apply) the cluster-scoped RootfsClass `name` for `path`, as a
+/// cluster administrator would; returns its name.
+pub async fn declare_rootfs_class(client: &Client, name: &str, path: &Path) -> String {
+    declare_class(client, name, &path.to_string_lossy(), None).await;
+    name.to_string()
+}
+
+/// Server-side applies a RootfsClass (an OCI layout when `oci_ref` is set).
+pub async fn declare_class(client: &Client, name: &str, path: &str, oci_ref: Option<&str>) {
+    let api: Api<RootfsClass> = Api::all(client.clone());
+    let mut spec = serde_json::json!({"path": path});
+    if let Some(r) = oci_ref {
+        spec["ociRef"] = r.into();
+    }
+    let class = serde_json::json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "RootfsClass",
+        "metadata": {"name": name}, "spec": spec,
+    });
+    api.patch(
+        name,
+        &PatchParams::apply("ramify-e2e").force(),
+        &Patch::Apply(&class),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("RootfsClass {name}: {e}"));
+}
+
+/// Every path under an agent's state `dir` whose mode lets group or others in. Not
+/// checked, and not descended into: the mount points in `skip` (the sandboxes'
+/// read-only rootfs bind mounts: the administrator's root filesystem) and what a
+/// workload wrote to its own `/run/ramify` (below `sandboxes/<id>/control`: the gofer
+/// gives it the mode the workload chose). Both sit in a 0700 `sandboxes/<id>`.
+pub fn open_to_others(dir: &Path, skip: &[PathBuf]) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(md) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        let workload_written = p
+            .ancestors()
+            .skip(1)
+            .any(|a| a.file_name().is_some_and(|n| n == "control"));
+        if md.file_type().is_symlink() || skip.contains(&p) || workload_written {
+            continue;
+        }
+        if md.mode() & 0o077 != 0 {
+            out.push(format!("{:o} {}", md.mode() & 0o7777, p.display()));
+        }
+        if md.is_dir() {
+            for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                stack.push(e.path());
+            }
+        }
+    }
+    out
 }
 
 /// The cgroup v2 tree and every v1 hierarchy (whichever this host has).

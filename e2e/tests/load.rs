@@ -450,7 +450,7 @@ async fn a_sandbox_that_does_not_fit_waits_saying_why_and_starts_when_room_frees
         .filter(|l| l.starts_with("processor"))
         .count() as u64;
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
-        Api::namespaced(sys.client.clone(), &sys.system_namespace());
+        Api::namespaced(sys.client.clone(), &sys.system_namespace);
     let lease_name = format!("ramify-node-{}", sys.node());
     let deadline = Instant::now() + Duration::from_secs(60);
     let lease = loop {

@@ -402,7 +402,7 @@ async fn a_branch_whose_snapshot_is_unusable_fails_and_never_starts_fresh() {
     // A branch of a snapshot that does not exist on any node.
     let bad: Sandbox = serde_json::from_value(serde_json::json!({
         "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "orphan-branch"},
-        "spec": {"rootfs": {"path": sys.rootfs}, "restoreFrom": {"snapshot": "never-captured"},
+        "spec": {"rootfs": {"class": sys.rootfs_class}, "restoreFrom": {"snapshot": "never-captured"},
                  "nodeName": sys.sandboxes().get("workspace").await.unwrap().status.unwrap().node_name}}))
     .unwrap();
     sys.sandboxes()
@@ -487,7 +487,6 @@ fn plugin(sys: &System, args: &[&str]) -> (i32, String, String) {
         .args(["-n", &sys.ns.name])
         .args(args)
         .env("KUBECONFIG", &sys.cp.kubeconfig)
-        .env("RAMIFY_AGENT_STATE_DIR", &sys.state_dir)
         .output()
         .unwrap();
     (
@@ -501,6 +500,8 @@ fn plugin(sys: &System, args: &[&str]) -> (i32, String, String) {
 async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
     let _serial = SERIAL.lock().await;
     let sys = System::start("plugin").await;
+    // exec and diff go through the aggregated API, as for any user.
+    let _api = sys.start_api();
     sys.running_workspace().await;
 
     // Clear errors and exit codes for wrong names and states.

@@ -418,7 +418,7 @@ pub fn write_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
         let mut f = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o644)
+            .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
         f.write_all(&bytes)?;

@@ -11,6 +11,7 @@
 pub mod agent;
 pub mod capacity;
 pub mod cgroup;
+pub mod cleanup;
 pub mod cmd;
 pub mod control;
 pub mod diff;
@@ -18,13 +19,18 @@ pub mod engine;
 pub mod error;
 pub mod freezer;
 pub mod placement;
+pub mod private;
+pub mod reaper;
 pub mod rootfs;
+pub mod roots;
 pub mod runsc;
+pub mod settings;
 pub mod spec;
 pub mod store;
 pub mod sweep;
 
 pub use engine::{
-    CommitReport, Engine, EngineConfig, ForkOptions, Sandbox, SnapshotInfo, StartRequest, WarmPool,
+    CommitReport, Engine, EngineConfig, ForkOptions, Recovered, Sandbox, SnapshotInfo,
+    StartRequest, Unreadable, WarmPool,
 };
 pub use error::{Error, Result};

@@ -182,10 +182,9 @@ pub fn parse_cni_result(json: &[u8], bridge: &str) -> Result<(Address, Option<St
 impl Standalone {
     pub fn new(cfg: StandaloneConfig) -> Result<Self> {
         let _: Cidr = cfg.subnet.parse()?;
-        std::fs::create_dir_all(&cfg.conf_dir)
-            .map_err(|e| Error::io("create CNI conf dir", &cfg.conf_dir, e))?;
-        std::fs::create_dir_all(&cfg.ipam_dir)
-            .map_err(|e| Error::io("create IPAM dir", &cfg.ipam_dir, e))?;
+        // Agent state: owner-only, like the rest of it.
+        crate::private::dir_all(&cfg.conf_dir)?;
+        crate::private::dir_all(&cfg.ipam_dir)?;
         for plugin in ["bridge", "host-local"] {
             if !cfg.cni_bin_dir.join(plugin).exists() {
                 return Err(Error::MissingTool(format!(

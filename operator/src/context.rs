@@ -149,6 +149,8 @@ pub struct Context {
     pub settings: Settings,
     /// The node agents' Leases, listed at most every few seconds.
     pub nodes: crate::nodes::NodeCache,
+    /// The controllers' per-object backoff, and their reports of permanent failures.
+    pub settler: ramify_runtime::settle::Settler,
 }
 
 impl Context {
@@ -171,6 +173,7 @@ impl Context {
             cache,
             cache_writers: Mutex::new(Some(writers)),
             metrics,
+            settler: crate::backoff::settler(recorder.clone()),
             recorder,
             settings,
             nodes: crate::nodes::NodeCache::default(),

@@ -70,7 +70,7 @@ pub async fn list(client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {
                 _ => None,
             };
             Some(NodeAgent {
-                live: !crate::leader::expired(spec, now),
+                live: !expired(spec, now),
                 node,
                 capacity,
                 allocatable,
@@ -104,6 +104,17 @@ impl NodeCache {
         *last = Some((Instant::now(), agents.clone()));
         Ok(agents)
     }
+}
+
+/// Whether a node agent's lease has run out by this clock (renewTime + duration): a
+/// one-shot judgement of a lease read once, for scheduling; leader election judges its
+/// lease from observed changes instead (see `leader`).
+fn expired(spec: &k8s_openapi::api::coordination::v1::LeaseSpec, now: Timestamp) -> bool {
+    let Some(renew) = spec.renew_time.as_ref() else {
+        return true;
+    };
+    let secs = i64::from(spec.lease_duration_seconds.unwrap_or(15));
+    renew.0 + k8s_openapi::jiff::SignedDuration::from_secs(secs) < now
 }
 
 /// Picks the live node with the most free capacity, given how many sandboxes are

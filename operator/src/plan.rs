@@ -923,7 +923,7 @@ mod tests {
         let mut s: Sandbox = serde_json::from_value(serde_json::json!({
             "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
             "metadata": {"name": "parent", "namespace": "ns"},
-            "spec": {"rootfs": {"path": "/r"}, "command": ["sh"]},
+            "spec": {"rootfs": {"class": "busybox"}, "command": ["sh"]},
         }))
         .unwrap();
         s.status = Some(SandboxStatus {
@@ -1046,7 +1046,10 @@ mod tests {
         assert_eq!(rf.snapshot, "bs-base");
         assert_eq!(rf.branch.as_ref().unwrap().index, 1);
         assert_eq!(b.spec.node_name.as_deref(), Some("n1"));
-        assert_eq!(b.spec.rootfs.as_ref().unwrap().path, "/r");
+        assert_eq!(
+            b.spec.rootfs.as_ref().unwrap().class.as_deref(),
+            Some("busybox")
+        );
         assert!(
             b.spec.command.is_empty(),
             "a branch continues the snapshot, it never starts fresh"

@@ -51,8 +51,16 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
     let status = sbx.status().cloned().unwrap_or_default();
 
     if sbx.metadata.deletion_timestamp.is_some() {
+        crate::metrics::forget_phase(&ctx.metrics, "Sandbox", &ns, &name);
         return release_if_unbound_or_lost(sbx, &api, ctx).await;
     }
+    crate::metrics::set_phase(
+        &ctx.metrics,
+        "Sandbox",
+        &format!("{:?}", status.phase),
+        &ns,
+        &name,
+    );
     if !sbx.finalizers().iter().any(|f| f == FINALIZER_NODE_CLEANUP) {
         crate::add_finalizer(&api, sbx).await?;
         return Ok(Action::await_change());

@@ -45,6 +45,7 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     let status = snap.status.clone().unwrap_or_default();
 
     if snap.metadata.deletion_timestamp.is_some() {
+        crate::metrics::forget_phase(&ctx.metrics, "Snapshot", &ns, &name);
         if snap
             .finalizers()
             .iter()

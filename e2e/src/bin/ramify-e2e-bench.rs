@@ -27,17 +27,16 @@ use ramify_e2e::system::System;
 /// these machines. A fork inherits it; a fresh sandbox must replay it.
 const SETUP: &str = "mkdir -p /work && dd if=/dev/urandom of=/work/data bs=1M count=32 2>/dev/null && sha256sum /work/data > /work/data.sum && echo ready > /work/ready";
 
-fn workspace_yaml(name: &str, rootfs: &std::path::Path) -> String {
+fn workspace_yaml(name: &str, rootfs_class: &str) -> String {
     format!(
         r#"apiVersion: ramify.dev/v1alpha1
 kind: Sandbox
 metadata: {{name: {name}}}
 spec:
-  rootfs: {{path: {}}}
+  rootfs: {{class: {rootfs_class}}}
   command: ["/bin/sh", "-c", "{SETUP}; while true; do sleep 1; done"]
   env: [{{name: PATH, value: /bin}}]
-"#,
-        rootfs.display()
+"#
     )
 }
 
@@ -199,7 +198,10 @@ async fn main() {
     for r in 0..runs {
         let t0 = Instant::now();
         for i in 0..4 {
-            sys.apply(&workspace_yaml(&format!("fresh-{r}-{i}"), &sys.rootfs));
+            sys.apply(&workspace_yaml(
+                &format!("fresh-{r}-{i}"),
+                &sys.rootfs_class,
+            ));
         }
         for i in 0..4 {
             wait_ready(format!("fresh-{r}-{i}")).await;
@@ -213,7 +215,7 @@ async fn main() {
     }
 
     // The workspace that gets forked.
-    sys.apply(&workspace_yaml("workspace", &sys.rootfs));
+    sys.apply(&workspace_yaml("workspace", &sys.rootfs_class));
     sys.wait_sandbox("workspace", "Running", 120, |s| {
         s.status
             .as_ref()

@@ -260,11 +260,7 @@ impl Agent {
         }) else {
             return false;
         };
-        self.pools
-            .lock()
-            .await
-            .get(&uid)
-            .is_some_and(|p| p.ready() > 0)
+        self.pools.ready(&uid) > 0
     }
 
     /// What a warm pool of `size` holds: memory for each frozen branch (its source

@@ -28,18 +28,25 @@ pub struct Announcement {
     pub allocatable: Requests,
     pub runsc_version: String,
     pub duration: Duration,
+    /// The node endpoint `ramify-api` dials for exec, log and diff (`https://host:port`).
+    pub endpoint: Option<String>,
+}
+
+/// The name of `node`'s Lease.
+pub fn lease_name(node: &str) -> String {
+    format!("ramify-node-{node}")
 }
 
 impl Announcement {
     pub fn lease_name(&self) -> String {
-        format!("ramify-node-{}", self.node)
+        lease_name(&self.node)
     }
 }
 
 /// Writes (creates or renews) the lease once.
 pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
     let api: Api<Lease> = Api::namespaced(client.clone(), &a.namespace);
-    let body = json!({
+    let mut body = json!({
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {
@@ -58,6 +65,10 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
             "renewTime": MicroTime(Timestamp::now()),
         },
     });
+    if let Some(url) = &a.endpoint {
+        body["metadata"]["annotations"][ramify_crds::subresources::ANNOTATION_AGENT_ENDPOINT] =
+            json!(url);
+    }
     api.patch(
         &a.lease_name(),
         &PatchParams::apply(MANAGER).force(),

@@ -29,6 +29,12 @@ pub struct FailureLabels {
     pub error: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RecordLabels {
+    /// `sandbox` or `snapshot` (registry records), `sandbox-dir` (an engine record).
+    pub record: String,
+}
+
 /// Every metric the agent exports.
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -50,10 +56,13 @@ pub struct AgentMetrics {
     pub restores_running: Gauge,
     pub restores_waiting: Gauge,
     pub frozen_branches: Gauge,
+    /// Records skipped at resume because they do not parse (each also an Event).
+    pub corrupt_records: Family<RecordLabels, Counter>,
 }
 
 impl AgentMetrics {
-    pub fn new(runsc_version: &str) -> Self {
+    /// The agent's metrics, with the engine's `cleanup` failures among them.
+    pub fn new(runsc_version: &str, cleanup: &crate::cleanup::CleanupFailures) -> Self {
         let mut r = Registry::with_prefix("ramify_node_agent");
         let buckets = || exponential_buckets(0.0001, 2.0, 20);
         let m = Self {
@@ -77,6 +86,7 @@ impl AgentMetrics {
             restores_running: Gauge::default(),
             restores_waiting: Gauge::default(),
             frozen_branches: Gauge::default(),
+            corrupt_records: Family::default(),
         };
         r.register("reconcile_runs", "Reconciliations run", m.runs.clone());
         r.register(
@@ -158,6 +168,16 @@ impl AgentMetrics {
             "frozen_branches",
             "Decided branches (and losers) kept frozen until committed or deleted",
             m.frozen_branches.clone(),
+        );
+        r.register(
+            "corrupt_records",
+            "Records skipped at resume because they do not parse",
+            m.corrupt_records.clone(),
+        );
+        r.register(
+            "cleanup_failures",
+            "Cleanup steps (destroy, image removal, pool close) that failed for good",
+            cleanup.clone(),
         );
         r.register(
             "build",

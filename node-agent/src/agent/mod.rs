@@ -9,20 +9,26 @@
 //! anything the API no longer knows is destroyed (no orphans).
 
 pub mod admission;
+pub mod backoff;
 pub mod decided;
+pub mod endpoint;
 pub mod lease;
 pub mod metrics;
+pub mod pools;
 pub mod registry;
+pub mod resume;
+mod rootfs_class;
+pub mod verdict_watch;
 pub mod writes;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -31,8 +37,8 @@ use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use ramify_crds::{
     BranchSet, BranchSetPhase, ChangeKind, CommitMode, Condition, ConditionStatus, ConditionsExt,
-    DiffSummary, FINALIZER_NODE_CLEANUP, FileChange, Sandbox as SandboxObj, SandboxPhase,
-    Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
+    DiffSummary, FINALIZER_NODE_CLEANUP, FileChange, REASON_ROOTFS_REFUSED, Sandbox as SandboxObj,
+    SandboxPhase, Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
 };
 use serde_json::json;
 use tokio::sync::Mutex as AsyncMutex;
@@ -78,7 +84,7 @@ pub struct Agent {
     /// Live local sandboxes by Sandbox object uid.
     handles: Mutex<HashMap<String, Handle>>,
     /// Warm pools by Snapshot object uid.
-    pools: AsyncMutex<HashMap<String, WarmPool>>,
+    pools: pools::Pools<WarmPool>,
     /// Branch runs in flight, by Sandbox uid; `true` sent when the branch is deleted
     /// (its run and verdict commands are dropped: a loser goes at once).
     runners: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
@@ -99,6 +105,9 @@ pub struct Agent {
     admission: admission::Admission,
     /// Branches of this node and which are frozen (decided, or lost).
     decided: decided::Decided,
+    /// The controllers' per-object backoff, and their reports of permanent failures
+    /// (naming this node).
+    settler: ramify_runtime::settle::Settler,
 }
 
 /// What the agent's watches hold: its node's Snapshots, every BranchSet, and the
@@ -196,24 +205,7 @@ pub fn short_version(v: &str) -> &str {
 }
 
 fn error_category(e: &Error) -> &'static str {
-    match e {
-        Error::Command { .. } | Error::Spawn { .. } | Error::RunscOutput(_) => "runsc",
-        Error::Timeout { .. } => "timeout",
-        Error::OutputTooLarge { .. } => "output_too_large",
-        Error::Io { .. } => "io",
-        Error::MissingTool(_) => "missing_tool",
-        Error::Unsupported { .. } => "unsupported",
-        Error::Snapshot { .. } => "snapshot",
-        Error::VersionMismatch { .. } => "version_mismatch",
-        Error::CorruptImage { .. } => "corrupt_image",
-        Error::Network(_) => "network",
-        Error::Rootfs(_) => "rootfs",
-        Error::Sandbox { .. } => "sandbox",
-        Error::Invalid(_) => "invalid",
-        Error::Json(_) => "serialization",
-        Error::Join(_) => "task",
-        Error::Kube(_) => "kube_api",
-    }
+    e.category()
 }
 
 impl Agent {
@@ -232,6 +224,7 @@ impl Agent {
             },
         );
         let admission = admission::Admission::new(cfg.allocatable, cfg.max_restores);
+        let settler = backoff::settler(&cfg.node, recorder.clone());
         Self {
             client,
             engine,
@@ -242,13 +235,14 @@ impl Agent {
             metrics,
             recorder,
             handles: Mutex::new(HashMap::new()),
-            pools: AsyncMutex::new(HashMap::new()),
+            pools: pools::Pools::default(),
             runners: Mutex::new(HashMap::new()),
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),
             in_flight: Mutex::new(HashMap::new()),
             reported: Mutex::new(HashSet::new()),
             unreported: Mutex::new(HashMap::new()),
+            settler,
         }
     }
 
@@ -301,94 +295,6 @@ impl Agent {
             note,
         )
         .await;
-    }
-
-    /// Re-adopts what the registry says this node holds and destroys what the API no
-    /// longer knows: sandboxes and images whose objects are gone, and sandbox
-    /// directories no record points to. Run once at start-up, before the controllers.
-    #[instrument(skip(self))]
-    pub async fn resume(&self) -> Result<()> {
-        let bound = ListParams::default().fields(&format!("status.nodeName={}", self.cfg.node));
-        let sandboxes: Api<SandboxObj> = Api::all(self.client.clone());
-        let listed: HashMap<String, SandboxObj> = sandboxes
-            .list(&bound)
-            .await?
-            .items
-            .into_iter()
-            .filter_map(|s| Some((s.uid()?, s)))
-            .collect();
-        let live: HashSet<String> = listed.keys().cloned().collect();
-        let mut local: BTreeMap<String, Sandbox> = self
-            .engine
-            .recover()
-            .await?
-            .into_iter()
-            .map(|s| (s.id.clone(), s))
-            .collect();
-        for (uid, rec) in self.registry.sandboxes()? {
-            match local.remove(&rec.sandbox_id) {
-                Some(sb) if live.contains(&uid) => {
-                    info!(sandbox = %rec.name, id = %sb.id, "re-adopted live sandbox");
-                    if let Some(obj) = listed.get(&uid) {
-                        // It holds its request; a decided branch is frozen again.
-                        self.readopt(obj, &uid);
-                        self.remember_branch(&uid, obj, &sb);
-                    }
-                    let decided = rec.outcome.is_some();
-                    self.insert_handle(&uid, sb);
-                    if decided {
-                        self.freeze_branch(&uid).await;
-                    }
-                }
-                Some(sb) => {
-                    info!(sandbox = %rec.name, id = %sb.id, "destroying orphan: its Sandbox object is gone");
-                    self.engine.destroy(sb).await.ok();
-                    self.registry.remove_sandbox(&uid)?;
-                }
-                None => {
-                    // The record outlived its sandbox (crash during destroy): the
-                    // reconcile reports the loss; nothing to clean on the host.
-                    if !live.contains(&uid) {
-                        self.registry.remove_sandbox(&uid)?;
-                    }
-                }
-            }
-        }
-        for (_, sb) in local {
-            info!(id = %sb.id, "destroying unrecorded sandbox");
-            self.engine.destroy(sb).await.ok();
-        }
-        let snaps: Api<SnapshotObj> = Api::all(self.client.clone());
-        let live_snaps: HashSet<String> = snaps
-            .list(&bound)
-            .await?
-            .items
-            .iter()
-            .filter_map(|s| s.uid())
-            .collect();
-        let mut kept = HashSet::new();
-        for (uid, rec) in self.registry.snapshots()? {
-            if live_snaps.contains(&uid) {
-                kept.insert(rec.image_id);
-            } else {
-                self.engine.store().remove(&rec.image_id).ok();
-                self.registry.remove_snapshot(&uid)?;
-            }
-        }
-        // Every image directory, sealed or not: a capture cut short by a crash leaves
-        // one without metadata, which `list()` does not show.
-        let store_dir = self.engine.store().dir().to_path_buf();
-        for entry in std::fs::read_dir(&store_dir)
-            .map_err(|e| Error::io("read", &store_dir, e))?
-            .flatten()
-        {
-            let id = entry.file_name().to_string_lossy().into_owned();
-            if !kept.contains(&id) {
-                info!(image = %id, "removing unrecorded snapshot image");
-                self.engine.store().remove(&id).ok();
-            }
-        }
-        Ok(())
     }
 
     /// Writes the agent-owned part of a Sandbox's status (always the whole part: with
@@ -448,6 +354,18 @@ impl Agent {
         )
         .await?;
         Ok(())
+    }
+
+    /// A cleanup step for `obj` that failed for good: logged with the object, counted.
+    fn cleanup_failed(&self, obj: &impl Resource, step: &str, e: &Error) {
+        warn!(
+            object = %obj.meta().name.as_deref().unwrap_or_default(),
+            namespace = obj.meta().namespace.as_deref().unwrap_or_default(),
+            step,
+            error = %e,
+            "cleanup failed"
+        );
+        self.engine.count_cleanup_failure(step, e);
     }
 
     async fn release_finalizer<K>(&self, obj: &K) -> Result<()>
@@ -596,17 +514,25 @@ impl Agent {
         self.publish_capacity();
         let started = match &obj.spec.restore_from {
             Some(rf) => self.restore_branch(obj, rf).await,
-            None => {
-                self.write_sandbox_status(
-                    obj,
-                    SandboxPhase::Starting,
-                    None,
-                    (false, "Starting", "starting".into()),
-                    json!({}),
-                )
-                .await?;
-                self.start_fresh(obj).await.map(|sb| (sb, json!({})))
-            }
+            None => match self.fresh_source(obj).await {
+                // A failed API read is not the sandbox's fault: retried, not Failed.
+                Err(e @ Error::Kube(_)) => return Err(e),
+                Err(e) => Err(e),
+                Ok((class, source)) => {
+                    self.write_sandbox_status(
+                        obj,
+                        SandboxPhase::Starting,
+                        None,
+                        (false, "Starting", "starting".into()),
+                        json!({}),
+                    )
+                    .await?;
+                    self.start_fresh(obj, source.clone())
+                        .await
+                        .map(|sb| (sb, json!({})))
+                        .map_err(|e| rootfs_class::name_the_field(&class, &source, e))
+                }
+            },
         };
         drop(slot);
         // A warm claim took no slot; any place it still had in the queue goes too.
@@ -617,7 +543,11 @@ impl Agent {
                 // Nothing of it runs: its room goes to whoever waits.
                 self.admission.release(uid);
                 self.publish_capacity();
-                let reason = if obj.spec.restore_from.is_some() {
+                // Refused at the first reconcile and never retried: the spec's rootfs
+                // is immutable, so a retry could only be refused again.
+                let reason = if matches!(e, Error::RootfsRefused(_)) {
+                    REASON_ROOTFS_REFUSED
+                } else if obj.spec.restore_from.is_some() {
                     "RestoreFailed"
                 } else {
                     "StartFailed"
@@ -680,26 +610,20 @@ impl Agent {
         Ok(Action::requeue(Duration::from_secs(10)))
     }
 
-    async fn start_fresh(&self, obj: &SandboxObj) -> Result<Sandbox> {
-        let rootfs = match (&obj.spec.rootfs, &obj.spec.image) {
-            (Some(r), _) => match &r.oci_ref {
-                Some(reference) => RootfsSource::OciLayout {
-                    path: r.path.clone().into(),
-                    reference: Some(reference.clone()),
-                },
-                None => RootfsSource::Dir(r.path.clone().into()),
-            },
-            (None, Some(image)) => {
-                return Err(Error::Invalid(format!(
-                    "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs"
-                )));
-            }
-            (None, None) => {
-                return Err(Error::Invalid(
-                    "neither spec.rootfs nor spec.image is set".into(),
-                ));
-            }
-        };
+    /// Which RootfsClass a fresh sandbox names, and what it points to.
+    async fn fresh_source(&self, obj: &SandboxObj) -> Result<(String, RootfsSource)> {
+        match (&obj.spec.rootfs, &obj.spec.image) {
+            (Some(r), _) => rootfs_class::source_of(&self.client, r).await,
+            (None, Some(image)) => Err(Error::Invalid(format!(
+                "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs.class"
+            ))),
+            (None, None) => Err(Error::Invalid(
+                "neither spec.rootfs nor spec.image is set".into(),
+            )),
+        }
+    }
+
+    async fn start_fresh(&self, obj: &SandboxObj, rootfs: RootfsSource) -> Result<Sandbox> {
         self.engine
             .start(StartRequest {
                 name: obj.name_any(),
@@ -772,13 +696,14 @@ impl Agent {
         let t0 = Instant::now();
         // A warm branch has no baseline manifest, so Paths commits restore cold.
         let warm = if track.is_empty() {
-            let pools = self.pools.lock().await;
-            match pools.get(&snap.uid().unwrap_or_default()) {
-                Some(pool) if pool.ready() > 0 => {
-                    Some(pool.claim_as(&name, index, Duration::from_secs(5)).await)
-                }
-                _ => None,
-            }
+            self.pools
+                .claim(
+                    &snap.uid().unwrap_or_default(),
+                    &name,
+                    index,
+                    Duration::from_secs(5),
+                )
+                .await
         } else {
             None
         };
@@ -981,7 +906,7 @@ impl Agent {
                 info!(sandbox = %obj.name_any(), "branch deleted while it ran; its run was dropped");
             } else if let Err(e) = ran {
                 warn!(error = %e, sandbox = %obj.name_any(), "branch run failed");
-                agent
+                let reported = agent
                     .write_outcome(
                         &obj,
                         None,
@@ -991,8 +916,12 @@ impl Agent {
                         Some(fork_millis),
                         None,
                     )
-                    .await
-                    .ok();
+                    .await;
+                if let Err(e) = reported {
+                    // Recorded before the report: the next reconcile sends it again.
+                    warn!(error = %e, sandbox = %obj.name_any(), namespace = obj.namespace().unwrap_or_default(), "reporting the failed run failed");
+                    agent.metrics.failed("branch", e.category());
+                }
             }
             if let Ok(mut r) = agent.runners.lock() {
                 r.remove(&uid);
@@ -1036,6 +965,15 @@ impl Agent {
         let h = self
             .handle(uid)
             .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+        // One watcher of the verdict file per branch, bounded whatever the workload
+        // writes (see `verdict_watch`); it needs no lock on the sandbox.
+        let mut watch = {
+            let g = h.lock().await;
+            let sb = g
+                .as_ref()
+                .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+            verdict_watch::VerdictWatch::new(sb.control_dir())
+        };
         let t0 = Instant::now();
 
         // The workload may decide at any time through /run/ramify/verdict; the run and
@@ -1097,25 +1035,19 @@ impl Agent {
                     Err(e) => return Err(e),
                 });
             }
-            // No command at all: wait for the workload's verdict file.
-            loop {
-                if let Some(v) = self.verdict_file(&h).await {
-                    return Ok((
-                        exit_code,
-                        v,
-                        "the workload wrote /run/ramify/verdict".into(),
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            // No command at all: the workload's verdict file decides (the watcher
+            // below), or the timeout.
+            std::future::pending().await
         };
         let watch_file = async {
-            loop {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if let Some(v) = self.verdict_file(&h).await {
-                    return (v, "the workload wrote /run/ramify/verdict".to_string());
-                }
-            }
+            // The sandbox as it is now (a Full commit into this branch swaps it); not
+            // known while a command holds it, and no commit swaps it meanwhile.
+            let current = || h.try_lock().ok()?.as_ref().map(Sandbox::control_dir);
+            let v = match watch.verdict(current).await {
+                Verdict::Commit => VerdictValue::Commit,
+                Verdict::Abort => VerdictValue::Abort,
+            };
+            (v, "the workload wrote /run/ramify/verdict".to_string())
         };
         let (exit_code, verdict, reason) = tokio::select! {
             r = decided => r?,
@@ -1273,8 +1205,8 @@ impl Agent {
             return Ok(Action::await_change());
         }
         if snap.metadata.deletion_timestamp.is_some() {
-            if let Some(pool) = self.pools.lock().await.remove(&uid) {
-                pool.close().await.ok();
+            if let Err(e) = self.pools.replace(&uid, None).await {
+                self.cleanup_failed(snap, "close warm pool", &e);
             }
             self.admission.capacity.leave(&admission::pool_key(&uid));
             if let Some(rec) = self.registry.snapshot(&uid)? {
@@ -1295,6 +1227,17 @@ impl Agent {
         }
         if status.phase == SnapshotPhase::Failed {
             return Ok(Action::await_change());
+        }
+        if status.phase == SnapshotPhase::Ready {
+            // Reported Ready from an image this node no longer has a record of (the
+            // record was lost or unreadable): say so rather than capture anew.
+            return self
+                .fail_snapshot(
+                    snap,
+                    "ImageLost",
+                    "this node has no record of the snapshot's image (lost or unreadable); it is not captured again".into(),
+                )
+                .await;
         }
         let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
         let Some(source) = sandboxes.get_opt(&snap.spec.source.sandbox).await? else {
@@ -1372,18 +1315,18 @@ impl Agent {
             .as_ref()
             .map(|w| usize::try_from(w.size).unwrap_or(0))
             .unwrap_or(0);
-        let mut pools = self.pools.lock().await;
-        let have_size = pools.get(uid).map(|p| p.size());
         let reservation = admission::pool_key(uid);
-        if have_size.is_some() && have_size != Some(want) {
-            if let Some(old) = pools.remove(uid) {
-                old.close().await.ok();
+        let have = self.pools.size(uid);
+        if have.is_some() && have != Some(want) {
+            // Resized or emptied: the old pool goes, and what it held with it.
+            if let Err(e) = self.pools.replace(uid, None).await {
+                self.cleanup_failed(snap, "close resized warm pool", &e);
             }
             self.admission.capacity.leave(&reservation);
         }
         if want == 0 {
             self.admission.capacity.leave(&reservation);
-        } else if !pools.contains_key(uid) {
+        } else if self.pools.size(uid).is_none() {
             // The pool's frozen branches hold memory (no CPU) of this node: it fills
             // once that fits, and its refills queue for restore slots like any restore.
             let group = format!(
@@ -1397,20 +1340,19 @@ impl Agent {
                 .capacity
                 .enter(&reservation, &group, (0, String::new()), asks)
             {
-                pools.insert(
-                    uid.to_string(),
-                    self.engine.warm_pool_gated(
-                        &rec.image_id,
-                        want,
-                        self.admission.restores.clone(),
-                        group,
-                    ),
+                let pool = self.engine.warm_pool_gated(
+                    &rec.image_id,
+                    want,
+                    self.admission.restores.clone(),
+                    group,
                 );
+                if let Err(e) = self.pools.replace(uid, Some(pool)).await {
+                    self.cleanup_failed(snap, "close resized warm pool", &e);
+                }
             }
             self.publish_capacity();
         }
-        let ready = pools.get(uid).map(|p| p.ready()).unwrap_or(0);
-        drop(pools);
+        let ready = self.pools.ready(uid);
         let reported = snap
             .status
             .as_ref()
@@ -1694,18 +1636,6 @@ async fn until_deleted(deleted: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
-fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Agent>) -> Action {
-    move |_, err, agent| {
-        agent.metrics.failed(controller, error_category(err));
-        if matches!(err, Error::Kube(kube::Error::Api(s)) if s.code == 409) {
-            // Another writer was first: re-read and retry at once.
-            return Action::requeue(Duration::from_millis(20));
-        }
-        warn!(controller, error = %err, "reconcile failed");
-        Action::requeue(Duration::from_secs(1))
-    }
-}
-
 /// The object, or `None` when it does not deserialize: such an object is reported
 /// and skipped, so one bad object cannot wedge a controller.
 fn admit<'a, K>(obj: &'a DeserializeGuard<K>, agent: &Agent, controller: &str) -> Option<&'a K> {
@@ -1722,7 +1652,10 @@ fn admit<'a, K>(obj: &'a DeserializeGuard<K>, agent: &Agent, controller: &str) -
 async fn on_sandbox(obj: Arc<DeserializeGuard<SandboxObj>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "sandbox") {
-        Some(s) => agent.reconcile_sandbox(s).await,
+        Some(s) => {
+            let r = agent.reconcile_sandbox(s).await;
+            backoff::settle(&agent, "sandbox", s, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("sandbox", t0.elapsed());
@@ -1732,7 +1665,10 @@ async fn on_sandbox(obj: Arc<DeserializeGuard<SandboxObj>>, agent: Arc<Agent>) -
 async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "snapshot") {
-        Some(s) => agent.reconcile_snapshot(s).await,
+        Some(s) => {
+            let r = agent.reconcile_snapshot(s).await;
+            backoff::settle(&agent, "snapshot", s, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("snapshot", t0.elapsed());
@@ -1742,7 +1678,10 @@ async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>)
 async fn on_branchset(obj: Arc<DeserializeGuard<BranchSet>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "commit") {
-        Some(b) => agent.reconcile_commit(b).await,
+        Some(b) => {
+            let r = agent.reconcile_commit(b).await;
+            backoff::settle(&agent, "commit", b, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("commit", t0.elapsed());
@@ -1789,19 +1728,23 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     });
     let sandboxes = bound_ctl
         .shutdown_on_signal()
-        .run(on_sandbox, error_policy("sandbox"), agent.clone())
+        .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
         .for_each(|_| futures::future::ready(()));
     let pinned = pinned_ctl
         .shutdown_on_signal()
-        .run(on_sandbox, error_policy("sandbox"), agent.clone())
+        .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
         .for_each(|_| futures::future::ready(()));
     let snapshots = snap_ctl
         .shutdown_on_signal()
-        .run(on_snapshot, error_policy("snapshot"), agent.clone())
+        .run(
+            on_snapshot,
+            backoff::error_policy("snapshot"),
+            agent.clone(),
+        )
         .for_each(|_| futures::future::ready(()));
     let commits = commit_ctl
         .shutdown_on_signal()
-        .run(on_branchset, error_policy("commit"), agent.clone())
+        .run(on_branchset, backoff::error_policy("commit"), agent.clone())
         .for_each(|_| futures::future::ready(()));
     let sweep = tokio::spawn(agent.clone().sweep_admission());
     info!(node = %agent.cfg.node, "node agent controllers running");
