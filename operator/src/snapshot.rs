@@ -144,6 +144,16 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
             )
         }
     };
+    // Still waiting for the same reason: said already (rewriting it on every look
+    // would be a write per waiting snapshot per second).
+    let before = status.conditions.get_condition("Scheduled");
+    if node.is_none()
+        && before.is_some_and(|b| {
+            b.status == cond.status && b.reason == cond.reason && b.message == cond.message
+        })
+    {
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
     conditions.set_condition(cond, Time(Timestamp::now()));
     let mut body = json!({
         "apiVersion": "ramify.dev/v1alpha1",
