@@ -2,6 +2,7 @@
 //! node agent. The CRD YAML in `crds/yaml/` is generated from these types by `crdgen`.
 
 pub mod branchset;
+pub mod capacity;
 pub mod common;
 pub mod rootfsclass;
 pub mod sandbox;

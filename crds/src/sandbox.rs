@@ -59,7 +59,10 @@ pub struct SandboxSpec {
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("spec.workingDir must be an absolute path"))]
     #[schemars(length(max = 4096))]
     pub working_dir: Option<String>,
-    /// CPU and memory limits of the sandbox (enforced through its cgroup).
+    /// CPU and memory of the sandbox: what its node reserves for it (it starts only
+    /// when they fit the node's sandbox allocatable) and its cgroup limits. Without
+    /// them the node accounts 250m CPU and 256Mi memory and sets no limit of its own;
+    /// a branch has its source sandbox's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<Resources>,
     /// Network policy. Egress is denied unless allowed here.
@@ -105,7 +108,7 @@ pub struct Rootfs {
     pub oci_ref: Option<String>,
 }
 
-/// CPU and memory limits.
+/// CPU and memory of a sandbox (requests and limits alike).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Resources {

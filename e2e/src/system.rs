@@ -80,13 +80,21 @@ pub fn clean_earlier_runs() {
     });
 }
 
+/// What the e2e agent keeps from sandboxes: the agent's own defaults, spelled out. On
+/// this 2-core, 24 GiB machine the sandbox allocatable is 1.6 CPU and about 21.5 GiB,
+/// the realistic figure (the control plane and the agent run on the same node).
+pub const RESERVE_CPU: &str = "400m";
+pub const RESERVE_MEMORY: &str = "2Gi";
+
 impl System {
     pub async fn start(name: &str) -> System {
-        Self::start_with(name, &[]).await
+        Self::start_with(name, &[], &[]).await
     }
 
-    /// Starts a system whose node agent also gets `agent_env` (fault hold points).
-    pub async fn start_with(name: &str, agent_env: &[(&str, &str)]) -> System {
+    /// [`System::start`] with more node-agent `run` flags (a benchmark announcing a
+    /// larger allocatable, a test with fewer restore slots) and more node-agent
+    /// environment (fault hold points).
+    pub async fn start_with(name: &str, agent_args: &[&str], agent_env: &[(&str, &str)]) -> System {
         clean_earlier_runs();
         let cp = ControlPlane::ensure().expect("control plane");
         let client = cp.client().await.expect("client");
@@ -172,7 +180,14 @@ impl System {
                 rootfs_root.to_string_lossy().into_owned(),
                 "--rootfs-cache".into(),
                 base.join("rootfs-cache").to_string_lossy().into_owned(),
-            ],
+                "--reserve-cpu".into(),
+                RESERVE_CPU.into(),
+                "--reserve-memory".into(),
+                RESERVE_MEMORY.into(),
+            ]
+            .into_iter()
+            .chain(agent_args.iter().map(|a| a.to_string()))
+            .collect(),
             env,
             &base,
         );
@@ -205,6 +220,50 @@ impl System {
     /// (what `kubectl ramify exec|logs|diff` go through).
     pub fn start_api(&self) -> crate::access::ApiServer {
         crate::access::ApiServer::start(&self.cp, &self.system_namespace, &self.pki, &self.log_dir)
+    }
+
+    /// The cgroup every sandbox of this system's agent lives under (its ceiling).
+    pub fn cgroup_parent(&self) -> String {
+        format!("ramify-e2e-{}", self.suffix)
+    }
+
+    /// The node name this system's agent announces.
+    pub fn node(&self) -> String {
+        format!("e2e-{}", self.suffix)
+    }
+
+    /// The API server's request counters (`apiserver_request_total`) summed by
+    /// `verb resource[/subresource]`: read before and after a run, the difference is
+    /// what the run cost the API server.
+    pub fn api_requests(&self) -> std::collections::BTreeMap<String, f64> {
+        let out = self
+            .cp
+            .kubectl_run(&["get", "--raw", "/metrics"], None)
+            .unwrap();
+        assert!(out.success, "kubectl get --raw /metrics: {}", out.stderr);
+        let mut by = std::collections::BTreeMap::new();
+        for line in out.stdout.lines() {
+            let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+                continue;
+            };
+            let Some((labels, value)) = rest.rsplit_once("} ") else {
+                continue;
+            };
+            let label = |k: &str| {
+                labels
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
+                    .map(|v| v.trim_end_matches('"').to_string())
+                    .unwrap_or_default()
+            };
+            let mut key = format!("{} {}", label("verb"), label("resource"));
+            let sub = label("subresource");
+            if !sub.is_empty() {
+                key = format!("{key}/{sub}");
+            }
+            *by.entry(key).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+        }
+        by
     }
 
     /// Sandboxes and Snapshots still in the test namespace.
@@ -334,18 +393,36 @@ impl System {
         )
     }
 
-    /// The parent every test forks: counts in memory, keeps config on disk.
+    /// The parent every test forks: counts in memory, keeps config on disk. It asks
+    /// 400m CPU, so with its three branches it fills the node's 1.6 CPU: every
+    /// branch of these tests runs at once, as before admission.
     pub fn workspace(&self) -> String {
+        self.workspace_asking("400m")
+    }
+
+    /// [`System::workspace`] asking `cpu` (and 256Mi).
+    pub fn workspace_asking(&self, cpu: &str) -> String {
+        self.sandbox_yaml(
+            "workspace",
+            "mkdir -p /work && echo mode=slow > /work/app.conf && i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done",
+            cpu,
+            "256Mi",
+        )
+    }
+
+    /// A fresh Sandbox on the test rootfs running `/bin/sh -c script`, asking `cpu`
+    /// and `memory`.
+    pub fn sandbox_yaml(&self, name: &str, script: &str, cpu: &str, memory: &str) -> String {
         format!(
             r#"apiVersion: ramify.dev/v1alpha1
 kind: Sandbox
 metadata:
-  name: workspace
+  name: {name}
 spec:
   rootfs: {{class: {}}}
-  command: ["/bin/sh", "-c", "mkdir -p /work && echo mode=slow > /work/app.conf && i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done"]
+  command: ["/bin/sh", "-c", "{script}"]
   env: [{{name: PATH, value: /bin}}]
-  resources: {{cpu: "1", memory: 256Mi}}
+  resources: {{cpu: "{cpu}", memory: {memory}}}
 "#,
             self.rootfs_class
         )

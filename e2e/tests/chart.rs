@@ -174,6 +174,11 @@ fn schema_rejects_bad_values_with_the_key_named() {
             "at '/agent/platform': value must be one of 'systrap', 'ptrace', 'kvm'",
         ),
         ("agent.stateDir=var/lib/ramify", "at '/agent/stateDir'"),
+        ("agent.reserve.cpu=lots", "at '/agent/reserve/cpu'"),
+        (
+            "agent.maxConcurrentRestores=-1",
+            "at '/agent/maxConcurrentRestores'",
+        ),
         (
             "agent.image.pullPolicy=Sometimes",
             "at '/agent/image/pullPolicy'",
@@ -265,12 +270,20 @@ fn defaults_render_the_documented_deployment() {
         "--state-dir=/var/lib/ramify",
         "--metrics-addr=0.0.0.0:8081",
         "--platform=systrap",
+        "--reserve-cpu=400m",
+        "--reserve-memory=2Gi",
         "--mode=cluster",
         "--rootfs-root=/var/lib/ramify-rootfs",
         "--rootfs-cache=/var/cache/ramify/rootfs",
     ] {
         assert!(args.contains(&want), "agent args lack {want}: {args:?}");
     }
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.starts_with("--max-concurrent-restores")),
+        "derived from the cores unless set: {args:?}"
+    );
     assert_eq!(
         c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
         "spec.nodeName"

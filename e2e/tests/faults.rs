@@ -115,7 +115,7 @@ async fn run_cell(step: Step, victim: Victim) -> String {
         ],
         None => Vec::new(),
     };
-    let mut sys = System::start_with("fault", &agent_env).await;
+    let mut sys = System::start_with("fault", &[], &agent_env).await;
     sys.running_workspace().await;
     sys.apply(BRANCHSET);
     let t0 = Instant::now();

@@ -1054,7 +1054,9 @@ impl Engine {
         // SIGKILL the sandbox, gofer and any runsc command of this sandbox directly
         // (their command lines carry the per-sandbox --root): `runsc kill` + `delete`
         // cost over a second of polling per sandbox and add nothing once they are dead.
-        match crate::reaper::reap(&sb.ctx.root.to_string_lossy()).await {
+        match crate::reaper::reap_sandbox(&sb.ctx.root.to_string_lossy(), &sb.placed.cgroups_path)
+            .await
+        {
             Ok(r) if r.left.is_empty() => {}
             Ok(r) => {
                 first.get_or_insert(Error::Sandbox {
@@ -1385,7 +1387,24 @@ impl Engine {
 
     /// Start a warm pool of `size` frozen branches of `snapshot`.
     pub fn warm_pool(&self, snapshot: &str, size: usize) -> WarmPool {
-        WarmPool::start(self.clone(), snapshot.to_string(), size)
+        WarmPool::start(self.clone(), snapshot.to_string(), size, None)
+    }
+
+    /// [`Engine::warm_pool`] whose refills each wait for a place in `gate` (the
+    /// node's restore concurrency), queued as `group`.
+    pub fn warm_pool_gated(
+        &self,
+        snapshot: &str,
+        size: usize,
+        gate: Arc<crate::capacity::FairGate>,
+        group: String,
+    ) -> WarmPool {
+        WarmPool::start(
+            self.clone(),
+            snapshot.to_string(),
+            size,
+            Some((gate, group)),
+        )
     }
 }
 
@@ -1579,6 +1598,9 @@ async fn forget_stopped(runsc: &Runsc, ctx: &SandboxCtx) -> Result<()> {
 /// Bytes of a workload command's stdout and stderr the agent keeps (the tail).
 pub const RUN_OUTPUT_TAIL: usize = 64 << 10;
 
+/// The restore gate a warm pool's refills queue in, and their group there.
+type RefillGate = (Arc<crate::capacity::FairGate>, String);
+
 /// How long claims must pause before a warm pool refills.
 const REFILL_SETTLE: Duration = Duration::from_millis(300);
 
@@ -1613,7 +1635,7 @@ struct PoolState {
 }
 
 impl WarmPool {
-    fn start(engine: Engine, snapshot: String, size: usize) -> Self {
+    fn start(engine: Engine, snapshot: String, size: usize, gate: Option<RefillGate>) -> Self {
         let shared = Arc::new(PoolShared {
             state: Mutex::new(PoolState::default()),
             refill: Notify::new(),
@@ -1624,6 +1646,7 @@ impl WarmPool {
             snapshot.clone(),
             size,
             shared.clone(),
+            gate,
         ));
         WarmPool {
             engine,
@@ -1634,7 +1657,13 @@ impl WarmPool {
         }
     }
 
-    async fn refill_loop(engine: Engine, snapshot: String, size: usize, shared: Arc<PoolShared>) {
+    async fn refill_loop(
+        engine: Engine,
+        snapshot: String,
+        size: usize,
+        shared: Arc<PoolShared>,
+        gate: Option<RefillGate>,
+    ) {
         let mut index: u32 = 0;
         loop {
             let (have, closed) = match shared.state.lock() {
@@ -1656,6 +1685,25 @@ impl WarmPool {
                 {}
                 continue;
             }
+            // Wait for a restore slot; a close (or claim) meanwhile gives it up and
+            // looks again.
+            let _slot = match &gate {
+                Some((g, group)) => {
+                    let key = format!("{group}#{index}");
+                    let acquired = tokio::select! {
+                        p = g.acquire(&key, group, (0, String::new()), crate::capacity::ONE_RESTORE) => Some(p),
+                        () = shared.refill.notified() => None,
+                    };
+                    match acquired {
+                        Some(p) => Some(p),
+                        None => {
+                            g.leave(&key);
+                            continue;
+                        }
+                    }
+                }
+                None => None,
+            };
             let made = async {
                 let (meta, img) = engine.verified_image(&snapshot).await?;
                 let sb = engine

@@ -5,8 +5,11 @@
 //! - [`engine`]: start, exec, snapshot, fork, warm pools, commit (Full/Paths), abort.
 //! - [`control`]: the `/run/ramify` control mount, parsed defensively.
 //! - [`store`]: snapshot images with sha256, version pinning and TTL.
+//! - [`capacity`]: the sandbox allocatable, its ceiling cgroup, fair admission gates.
+//! - [`freezer`]: who freezes and thaws a sandbox (decided branches, a look into one).
 
 pub mod agent;
+pub mod capacity;
 pub mod cgroup;
 pub mod cleanup;
 pub mod cmd;
@@ -14,6 +17,7 @@ pub mod control;
 pub mod diff;
 pub mod engine;
 pub mod error;
+pub mod freezer;
 pub mod placement;
 pub mod private;
 pub mod reaper;

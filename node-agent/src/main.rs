@@ -11,11 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use ramify_crds::capacity::Requests;
 use ramify_node_agent::agent::endpoint::{Endpoint, EndpointConfig, local_sandbox};
 use ramify_node_agent::agent::lease::{self, Announcement};
 use ramify_node_agent::agent::metrics::AgentMetrics;
 use ramify_node_agent::agent::registry::Registry;
 use ramify_node_agent::agent::{self, Agent, AgentConfig};
+use ramify_node_agent::capacity as cap;
+use ramify_node_agent::freezer::Look;
 use ramify_node_agent::placement::{Standalone, StandaloneConfig};
 use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{Runsc, RunscConfig};
@@ -24,7 +27,7 @@ use ramify_node_agent::settings::{
 };
 use ramify_node_agent::store::SnapshotStore;
 use ramify_node_agent::{Engine, EngineConfig};
-use tracing::error;
+use tracing::{error, info};
 
 #[derive(Parser)]
 #[command(version, about = "ramify node agent")]
@@ -48,6 +51,29 @@ struct StateArgs {
         default_value = "/var/lib/ramify/agent"
     )]
     state_dir: PathBuf,
+}
+
+/// What sandboxes may hold of this node, and how many restore at once.
+#[derive(clap::Args, Clone)]
+struct CapacityArgs {
+    /// CPU kept from sandboxes for the system, the agent and (on the embedded
+    /// default) the control plane. Sandbox allocatable = cores - this.
+    #[arg(long, env = "RAMIFY_RESERVE_CPU", default_value = "400m", value_parser = parse_cpu)]
+    reserve_cpu: u64,
+    /// Memory kept from sandboxes. Sandbox allocatable = MemTotal - this.
+    #[arg(long, env = "RAMIFY_RESERVE_MEMORY", default_value = "2Gi", value_parser = parse_memory)]
+    reserve_memory: u64,
+    /// Sandbox allocatable CPU to announce instead of cores - reserve (for a
+    /// benchmark that measures forks, not admission; it may exceed the node).
+    #[arg(long, value_parser = parse_cpu)]
+    allocatable_cpu: Option<u64>,
+    /// Sandbox allocatable memory to announce instead of MemTotal - reserve.
+    #[arg(long, value_parser = parse_memory)]
+    allocatable_memory: Option<u64>,
+    /// Restores (and fresh starts) run at once; the rest queue, fairly across
+    /// BranchSets. Default: half the cores, at least 1.
+    #[arg(long, env = "RAMIFY_MAX_CONCURRENT_RESTORES")]
+    max_concurrent_restores: Option<usize>,
 }
 
 /// The node endpoint that serves exec, log and diff to `ramify-api` (mutual TLS).
@@ -134,9 +160,13 @@ enum Command {
         /// Subnet handed to sandboxes (standalone).
         #[arg(long, default_value = "10.88.0.0/16")]
         subnet: String,
-        /// Cgroup under which every sandbox gets its own (standalone).
+        /// Cgroup under which every sandbox gets its own (standalone). Its CPU quota
+        /// and memory limit are set to the sandbox allocatable: a ceiling no number of
+        /// sandboxes can break.
         #[arg(long, default_value = DEFAULT_CGROUP_PARENT)]
         cgroup_parent: String,
+        #[command(flatten)]
+        capacity_args: Box<CapacityArgs>,
         #[command(flatten)]
         rootfs: RootfsArgs,
         /// Log as JSON.
@@ -193,6 +223,16 @@ enum Command {
         #[arg(long)]
         store: PathBuf,
     },
+}
+
+fn parse_cpu(q: &str) -> Result<u64, String> {
+    ramify_crds::capacity::cpu_millis(q)
+        .ok_or_else(|| format!("{q:?} is not a CPU quantity such as 400m or 1.5"))
+}
+
+fn parse_memory(q: &str) -> Result<u64, String> {
+    ramify_crds::capacity::memory_bytes(q)
+        .ok_or_else(|| format!("{q:?} is not a memory quantity such as 2Gi or 512Mi"))
 }
 
 async fn engine(
@@ -317,6 +357,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             bridge,
             subnet,
             cgroup_parent,
+            capacity_args,
             rootfs,
             log_json,
             endpoint,
@@ -325,6 +366,34 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             if mode != "standalone" {
                 anyhow::bail!("--mode {mode}: only standalone placement is implemented");
             }
+            let CapacityArgs {
+                reserve_cpu,
+                reserve_memory,
+                allocatable_cpu,
+                allocatable_memory,
+                max_concurrent_restores,
+            } = *capacity_args;
+            let node_capacity = cap::node_capacity()?;
+            let mut allocatable = cap::allocatable(
+                node_capacity,
+                Requests {
+                    cpu_millis: reserve_cpu,
+                    memory_bytes: reserve_memory,
+                },
+            )?;
+            allocatable.cpu_millis = allocatable_cpu.unwrap_or(allocatable.cpu_millis);
+            allocatable.memory_bytes = allocatable_memory.unwrap_or(allocatable.memory_bytes);
+            let max_restores = max_concurrent_restores
+                .unwrap_or_else(|| cap::default_max_restores(&node_capacity))
+                .max(1);
+            cap::apply_ceiling(&cgroup_parent, &allocatable)?;
+            info!(
+                cpu = %Requests::cpu_text(allocatable.cpu_millis),
+                memory = %Requests::memory_text(allocatable.memory_bytes),
+                max_restores,
+                cgroup_parent = %cgroup_parent,
+                "sandbox allocatable (node capacity minus the reserve), set as the ceiling of the sandboxes' parent cgroup"
+            );
             let settings = AgentSettings {
                 runsc: std::fs::canonicalize(&cli.runsc).unwrap_or_else(|_| cli.runsc.clone()),
                 platform: cli.platform.clone(),
@@ -357,6 +426,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 namespace: system_namespace.clone(),
                 node: node_name.clone(),
                 capacity,
+                allocatable,
                 runsc_version: version,
                 duration: Duration::from_secs(15),
                 endpoint: endpoint.as_ref().map(|e| e.url.clone()),
@@ -373,6 +443,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 AgentConfig {
                     node: node_name,
                     system_namespace,
+                    allocatable,
+                    max_restores,
                 },
                 registry,
                 metrics,
@@ -389,9 +461,13 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
             // `exec NAME -- CMD`: clap keeps the `--` in a trailing var-arg.
             let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
+            // A decided branch is frozen: thawed for the look, frozen again after.
+            let look = Look::begin(&sb).await?;
             let out = engine
                 .exec_with(&sb, &command, &[], Duration::from_secs(600))
-                .await?;
+                .await;
+            look.end().await?;
+            let out = out?;
             use std::io::Write;
             std::io::stdout().write_all(&out.stdout)?;
             std::io::stderr().write_all(&out.stderr)?;
@@ -409,7 +485,10 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             paths,
         } => {
             let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
-            let d = engine.diff_since_restore(&sb, &paths).await?;
+            let look = Look::begin(&sb).await?;
+            let d = engine.diff_since_restore(&sb, &paths).await;
+            look.end().await?;
+            let d = d?;
             for (mark, list) in [("A", &d.added), ("M", &d.modified), ("D", &d.deleted)] {
                 for c in list.iter() {
                     println!("{mark} {:>10} {}", c.size, c.path);

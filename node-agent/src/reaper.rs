@@ -89,6 +89,29 @@ pub async fn reap(needle: &str) -> Result<Reaped> {
     .await
 }
 
+/// [`reap`] for a sandbox whose cgroup may be frozen: the freezer is thawed after
+/// every SIGKILL, so a freeze that raced the kill (a loser frozen as it is deleted)
+/// cannot keep the signal pending; a frozen task never dies.
+pub async fn reap_sandbox(needle: &str, cgroups_path: &str) -> Result<Reaped> {
+    let (needle, cgroups_path) = (needle.to_string(), cgroups_path.to_string());
+    off_worker(move || {
+        let thawable = crate::cgroup::freezer_state_path(&cgroups_path).exists();
+        reap_with(
+            || pids_mentioning(&needle),
+            |pid| {
+                sigkill(pid);
+                if thawable {
+                    // Gone already is fine; a thaw that fails leaves `alive` to report.
+                    let _ = crate::cgroup::thaw(&cgroups_path);
+                }
+            },
+            |pid| proc_start_time(pid).is_some(),
+            DEADLINE,
+        )
+    })
+    .await
+}
+
 /// Runs `f` on the blocking pool: the async workers keep serving other tasks.
 async fn off_worker<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f)

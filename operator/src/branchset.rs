@@ -281,19 +281,21 @@ async fn write_status(
     });
     let api: Api<BranchSet> =
         Api::namespaced(ctx.client.clone(), &bs.namespace().unwrap_or_default());
-    match api
-        .patch_status(
+    let written = crate::writes::within(
+        "branchset status",
+        api.patch_status(
             &bs.name_any(),
             &PatchParams::apply(STATUS_MANAGER).force(),
             &Patch::Apply(&body),
-        )
-        .await
-    {
+        ),
+    )
+    .await;
+    match written {
         Ok(obj) => Ok(obj.resource_version()),
-        Err(kube::Error::Api(s)) if s.code == 409 => {
+        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
             Err(Error::Conflict(format!("branchset {}", bs.name_any())))
         }
-        Err(e) => Err(e.into()),
+        Err(e) => Err(e),
     }
 }
 

@@ -24,6 +24,9 @@ pub enum Error {
     /// The informer cache cannot serve reads (its watch was dropped).
     #[error("informer cache: {0}")]
     Cache(String),
+    /// An API call did not answer in time (an overloaded API server); retried.
+    #[error("{0}: no answer from the API server in time")]
+    Timeout(String),
     /// This replica no longer holds the leader Lease (another took it, or renewals
     /// failed until the renew deadline): it must stop reconciling.
     #[error("leadership lost: {0}")]
@@ -41,6 +44,7 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::NoNode => "no_node",
             Error::Cache(_) => "cache",
+            Error::Timeout(_) => "timeout",
             Error::LeadershipLost(_) => "leadership",
         }
     }

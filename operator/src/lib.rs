@@ -4,6 +4,7 @@
 
 pub mod backoff;
 pub mod branchset;
+pub mod capacity;
 pub mod context;
 pub mod effects;
 pub mod error;
@@ -14,6 +15,7 @@ pub mod nodes;
 pub mod plan;
 pub mod sandbox;
 pub mod snapshot;
+pub mod writes;
 
 use std::sync::Arc;
 use std::time::Duration;

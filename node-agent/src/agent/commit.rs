@@ -25,7 +25,7 @@ use tracing::{info, instrument, warn};
 
 use super::commit_guard::{Conflict, PendingFullCommit, Promotes};
 use super::registry::SandboxRecord;
-use super::{Agent, COMMIT_MANAGER, MAX_LISTED_FILES, fault, now};
+use super::{Agent, COMMIT_MANAGER, MAX_LISTED_FILES, fault, now, writes};
 use crate::engine::Sandbox;
 use crate::error::{Error, Result};
 
@@ -56,6 +56,8 @@ impl Agent {
     /// on the parent (`status.lastCommit`) or on the winner (`status.commitRefused`).
     #[instrument(skip_all, fields(branchset = %bs.name_any()))]
     pub(super) async fn reconcile_commit(&self, bs: &BranchSet) -> Result<Action> {
+        // A winner is known: the losers here stop first, before any API call.
+        self.freeze_losers(bs).await;
         let st = bs.status.clone().unwrap_or_default();
         if st.phase != BranchSetPhase::Committing {
             return Ok(Action::await_change());
@@ -121,13 +123,15 @@ impl Agent {
                 "at": now(),
             },
         }});
-        sandboxes
-            .patch_status(
+        writes::within(
+            "commit",
+            sandboxes.patch_status(
                 &parent_name,
                 &PatchParams::apply(COMMIT_MANAGER).force(),
                 &Patch::Apply(&body),
-            )
-            .await?;
+            ),
+        )
+        .await?;
         self.event(
             &parent,
             false,
@@ -148,7 +152,6 @@ impl Agent {
         parent_uid: &str,
         winner_obj: &SandboxObj,
     ) -> Result<Applied> {
-        let bs_uid = bs.uid().unwrap_or_default();
         let winner_uid = winner_obj.uid().unwrap_or_default();
         let parent_h = self
             .handle(parent_uid)
@@ -164,6 +167,38 @@ impl Agent {
             .sandbox(&winner_uid)?
             .and_then(|r| r.fork_generation)
             .unwrap_or(0);
+        // Decided, so frozen: it runs again for its commit (and, when refused, waits
+        // for its deletion frozen again).
+        self.thaw_branch(&winner_uid).await?;
+        let applied = self
+            .apply_commit_locked(bs, parent_uid, &winner_uid, fork, &parent_h, &winner_h)
+            .await;
+        match &applied {
+            Ok(Applied::Done(..)) if bs.spec.commit.mode == CommitMode::Full => {
+                // The winner's sandbox is the parent's now, held under the parent's
+                // request.
+                self.forget_branch(&winner_uid);
+                self.admission.release(&winner_uid);
+                self.publish_capacity();
+            }
+            _ => self.freeze_branch(&winner_uid).await,
+        }
+        applied
+    }
+
+    /// [`Agent::apply_commit`] once the winner runs: takes the parent's lock, then the
+    /// winner's.
+    async fn apply_commit_locked(
+        &self,
+        bs: &BranchSet,
+        parent_uid: &str,
+        winner_uid: &str,
+        fork: u64,
+        parent_h: &super::Handle,
+        winner_h: &super::Handle,
+    ) -> Result<Applied> {
+        let bs_uid = bs.uid().unwrap_or_default();
+        let winner_uid = winner_uid.to_string();
         let mut pg = parent_h.lock().await;
         let mut rec = self
             .registry
@@ -199,6 +234,9 @@ impl Agent {
                     .take()
                     .ok_or_else(|| Error::Invalid("winner already consumed".into()))?;
                 let old = std::mem::replace(p, w);
+                // A parent that is itself a branch (nested sets) lives on in the
+                // winner's sandbox now.
+                self.rehome_branch(parent_uid, p);
                 self.take_handle(&winner_uid);
                 drop(wg);
                 if let Err(e) = self.finish_full_commit(&mut rec, Some(old)).await {
@@ -257,10 +295,13 @@ impl Agent {
                           "status": {"commitRefused": refusal}});
         let api: Api<SandboxObj> =
             Api::namespaced(self.client.clone(), &bs.namespace().unwrap_or_default());
-        api.patch_status(
-            winner_name,
-            &PatchParams::apply(COMMIT_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "commit refusal",
+            api.patch_status(
+                winner_name,
+                &PatchParams::apply(COMMIT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         self.event(

@@ -33,6 +33,7 @@ use tracing::{info, warn};
 
 use super::registry::Registry;
 use crate::engine::{Engine, Sandbox};
+use crate::freezer::Look;
 
 /// Where and how the endpoint listens.
 #[derive(Clone, Debug)]
@@ -184,7 +185,16 @@ impl State {
                 if globs.is_empty() {
                     globs.push("/**".into());
                 }
-                match self.engine.diff_since_restore(&sb, &globs).await {
+                // A decided branch is frozen: thawed for the look, frozen again after.
+                let look = match Look::begin(&sb).await {
+                    Ok(l) => l,
+                    Err(e) => return error_response(&e.into()),
+                };
+                let diff = self.engine.diff_since_restore(&sb, &globs).await;
+                if let Err(e) = look.end().await {
+                    warn!(sandbox = %sb.id, error = %e, "refreezing after a diff failed");
+                }
+                match diff {
                     Ok(d) => match serde_json::to_value(&d) {
                         Ok(v) => https::json(StatusCode::OK, &v),
                         Err(e) => error_response(&crate::Error::from(e).into()),
@@ -213,7 +223,20 @@ impl State {
                 Ok(up) => {
                     let ws = WebSocketStream::from_raw_socket(TokioIo::new(up), Role::Server, None)
                         .await;
-                    run_exec(ws, cmd).await;
+                    // A decided branch is frozen: thawed for the look (the whole exec),
+                    // frozen again after.
+                    match Look::begin(&sb).await {
+                        Ok(look) => {
+                            run_exec(ws, cmd).await;
+                            if let Err(e) = look.end().await {
+                                warn!(sandbox = %id, error = %e, "refreezing after an exec failed");
+                            }
+                        }
+                        Err(e) => {
+                            let (mut tx, _) = ws.split();
+                            let _ = send_status(&mut tx, &sub::exec_failure(&e.to_string())).await;
+                        }
+                    }
                 }
                 Err(e) => warn!(sandbox = %id, error = %e, "exec upgrade failed"),
             }

@@ -9,6 +9,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
+use ramify_crds::capacity::{
+    ANNOTATION_ALLOCATABLE_CPU, ANNOTATION_ALLOCATABLE_MEMORY, ANNOTATION_MAX_SANDBOXES,
+    ANNOTATION_RUNSC_VERSION, Requests,
+};
 use serde_json::json;
 use tracing::warn;
 
@@ -20,6 +24,8 @@ pub struct Announcement {
     pub namespace: String,
     pub node: String,
     pub capacity: u32,
+    /// CPU and memory for sandboxes: what the operator binds against.
+    pub allocatable: Requests,
     pub runsc_version: String,
     pub duration: Duration,
     /// The node endpoint `ramify-api` dials for exec, log and diff (`https://host:port`).
@@ -47,8 +53,10 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
             "name": a.lease_name(),
             "labels": {"ramify.dev/component": "node-agent"},
             "annotations": {
-                "ramify.dev/max-sandboxes": a.capacity.to_string(),
-                "ramify.dev/runsc-version": a.runsc_version,
+                ANNOTATION_MAX_SANDBOXES: a.capacity.to_string(),
+                ANNOTATION_RUNSC_VERSION: a.runsc_version,
+                ANNOTATION_ALLOCATABLE_CPU: format!("{}m", a.allocatable.cpu_millis),
+                ANNOTATION_ALLOCATABLE_MEMORY: a.allocatable.memory_bytes.to_string(),
             },
         },
         "spec": {

@@ -16,6 +16,13 @@ pub struct Labels {
     pub controller: String,
 }
 
+/// `resource` is `cpu_millis` or `memory_bytes`; `of` is `allocatable` or `used`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CapacityLabels {
+    pub resource: String,
+    pub of: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailureLabels {
     pub controller: String,
@@ -44,6 +51,11 @@ pub struct AgentMetrics {
     pub warm_misses: Counter,
     pub sandboxes: Gauge,
     pub snapshot_bytes: Gauge,
+    pub capacity: Family<CapacityLabels, Gauge>,
+    pub admission_waiting: Gauge,
+    pub restores_running: Gauge,
+    pub restores_waiting: Gauge,
+    pub frozen_branches: Gauge,
     /// Records skipped at resume because they do not parse (each also an Event).
     pub corrupt_records: Family<RecordLabels, Counter>,
 }
@@ -69,6 +81,11 @@ impl AgentMetrics {
             warm_misses: Counter::default(),
             sandboxes: Gauge::default(),
             snapshot_bytes: Gauge::default(),
+            capacity: Family::default(),
+            admission_waiting: Gauge::default(),
+            restores_running: Gauge::default(),
+            restores_waiting: Gauge::default(),
+            frozen_branches: Gauge::default(),
             corrupt_records: Family::default(),
         };
         r.register("reconcile_runs", "Reconciliations run", m.runs.clone());
@@ -126,6 +143,31 @@ impl AgentMetrics {
             "snapshot_store_bytes",
             "Bytes of snapshot images on this node",
             m.snapshot_bytes.clone(),
+        );
+        r.register(
+            "capacity",
+            "Sandbox allocatable of this node and what admitted sandboxes hold of it",
+            m.capacity.clone(),
+        );
+        r.register(
+            "admission_waiting",
+            "Sandboxes waiting for capacity on this node",
+            m.admission_waiting.clone(),
+        );
+        r.register(
+            "restores_running",
+            "Restores and fresh starts running now (bounded by --max-concurrent-restores)",
+            m.restores_running.clone(),
+        );
+        r.register(
+            "restores_waiting",
+            "Restores and fresh starts waiting for their turn",
+            m.restores_waiting.clone(),
+        );
+        r.register(
+            "frozen_branches",
+            "Decided branches (and losers) kept frozen until committed or deleted",
+            m.frozen_branches.clone(),
         );
         r.register(
             "corrupt_records",

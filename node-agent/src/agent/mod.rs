@@ -8,9 +8,11 @@
 //! images are kept, a commit applied locally is reported instead of applied twice, and
 //! anything the API no longer knows is destroyed (no orphans).
 
+pub mod admission;
 pub mod backoff;
 mod commit;
 pub mod commit_guard;
+pub mod decided;
 pub mod endpoint;
 pub mod fault;
 pub mod lease;
@@ -20,6 +22,7 @@ pub mod registry;
 pub mod resume;
 mod rootfs_class;
 pub mod verdict_watch;
+pub mod writes;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -65,6 +68,10 @@ const MAX_LISTED_FILES: usize = 256;
 pub struct AgentConfig {
     pub node: String,
     pub system_namespace: String,
+    /// What sandboxes may hold of this node (capacity minus the reserve).
+    pub allocatable: ramify_crds::capacity::Requests,
+    /// Restores (and fresh starts) run at once.
+    pub max_restores: usize,
 }
 
 type Handle = Arc<AsyncMutex<Option<Sandbox>>>;
@@ -97,15 +104,22 @@ pub struct Agent {
     reported: Mutex<HashSet<String>>,
     /// What a sandbox's Running report carries (its provenance), until it lands.
     unreported: Mutex<HashMap<String, serde_json::Value>>,
+    /// Capacity and restore slots of this node, starts in flight, deletions done.
+    admission: admission::Admission,
+    /// Branches of this node and which are frozen (decided, or lost).
+    decided: decided::Decided,
     /// The controllers' per-object backoff, and their reports of permanent failures
     /// (naming this node).
     settler: ramify_runtime::settle::Settler,
 }
 
-/// What the agent's watches hold: its node's Snapshots and every BranchSet.
+/// What the agent's watches hold: its node's Snapshots, every BranchSet, and the
+/// Sandboxes bound or pinned here.
 struct AgentCache {
     snapshots: Store<DeserializeGuard<SnapshotObj>>,
     branchsets: Store<DeserializeGuard<BranchSet>>,
+    bound: Store<DeserializeGuard<SandboxObj>>,
+    pinned: Store<DeserializeGuard<SandboxObj>>,
 }
 
 fn now() -> Time {
@@ -116,39 +130,8 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Parses a Kubernetes quantity for CPU into millicores ("500m", "2", "1.5").
-pub fn cpu_millis(q: &str) -> Option<u64> {
-    if let Some(m) = q.strip_suffix('m') {
-        return m.parse().ok();
-    }
-    let v: f64 = q.parse().ok()?;
-    (v > 0.0).then(|| (v * 1000.0).round() as u64)
-}
-
-/// Parses a Kubernetes quantity for memory into bytes ("512Mi", "1G", "1048576").
-pub fn memory_bytes(q: &str) -> Option<u64> {
-    const SUFFIXES: [(&str, u64); 12] = [
-        ("Ki", 1 << 10),
-        ("Mi", 1 << 20),
-        ("Gi", 1 << 30),
-        ("Ti", 1 << 40),
-        ("Pi", 1 << 50),
-        ("Ei", 1 << 60),
-        ("k", 1_000),
-        ("M", 1_000_000),
-        ("G", 1_000_000_000),
-        ("T", 1_000_000_000_000),
-        ("P", 1_000_000_000_000_000),
-        ("E", 1_000_000_000_000_000_000),
-    ];
-    for (suffix, mult) in SUFFIXES {
-        if let Some(n) = q.strip_suffix(suffix) {
-            let v: f64 = n.parse().ok()?;
-            return Some((v * mult as f64) as u64);
-        }
-    }
-    q.parse::<f64>().ok().map(|v| v as u64)
-}
+/// Quantity parsing is shared with the operator's capacity accounting.
+pub use ramify_crds::capacity::{cpu_millis, memory_bytes};
 
 /// The workload of a Sandbox object.
 pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
@@ -243,11 +226,14 @@ impl Agent {
                 instance: Some(cfg.node.clone()),
             },
         );
+        let admission = admission::Admission::new(cfg.allocatable, cfg.max_restores);
         let settler = backoff::settler(&cfg.node, recorder.clone());
         Self {
             client,
             engine,
             cfg,
+            admission,
+            decided: decided::Decided::default(),
             registry,
             metrics,
             recorder,
@@ -361,10 +347,13 @@ impl Agent {
             }
         }
         let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": st});
-        api.patch_status(
-            &obj.name_any(),
-            &PatchParams::apply(SANDBOX_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &obj.name_any(),
+                &PatchParams::apply(SANDBOX_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         Ok(())
@@ -393,7 +382,11 @@ impl Agent {
             self.client.clone(),
             &obj.meta().namespace.clone().unwrap_or_default(),
         );
-        Ok(ramify_runtime::finalizer::remove(&api, obj, FINALIZER_NODE_CLEANUP).await?)
+        writes::within(
+            "finalizer",
+            ramify_runtime::finalizer::remove(&api, obj, FINALIZER_NODE_CLEANUP),
+        )
+        .await
     }
 
     // ----- Sandbox -------------------------------------------------------------
@@ -441,6 +434,16 @@ impl Agent {
     async fn reconcile_mine(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
         let uid = uid.to_string();
         if obj.metadata.deletion_timestamp.is_some() {
+            // A start or restore in flight for it finishes first (its sandbox is then
+            // destroyed here): the finalizer never goes while something of it may
+            // still come to exist on the node.
+            if self.admission.is_starting(&uid) {
+                return Ok(Action::requeue(Duration::from_millis(200)));
+            }
+            // From here on nothing is started for it again, whatever copy of the
+            // object a lagging watch still delivers; and no freeze targets it.
+            self.admission.bury(&uid);
+            self.forget_branch(&uid);
             // A branch run holds the sandbox while its command runs: drop it now, so
             // a loser is destroyed at once rather than when its command ends.
             if let Ok(r) = self.runners.lock()
@@ -467,7 +470,14 @@ impl Agent {
                 None => info!("deleted sandbox has no local handle"),
             }
             self.registry.remove_sandbox(&uid)?;
+            // Its room goes to whoever waits, now that nothing of it runs.
+            self.admission.release(&uid);
+            self.publish_capacity();
             self.release_finalizer(obj).await?;
+            return Ok(Action::await_change());
+        }
+        if self.admission.is_buried(&uid) {
+            // A stale copy of a sandbox whose deletion this agent completed.
             return Ok(Action::await_change());
         }
         let status = obj.status.clone().unwrap_or_default();
@@ -496,11 +506,19 @@ impl Agent {
             .await;
             return Ok(Action::await_change());
         }
+        if let Some(wait) = self.admit(obj, &uid).await? {
+            return Ok(wait);
+        }
         self.start_sandbox(obj, &uid).await
     }
 
     async fn start_sandbox(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
         let t0 = Instant::now();
+        // In flight from here until its handle is held (or it failed): a deletion
+        // meanwhile waits for it.
+        let _claim = self.admission.claim(uid);
+        let slot = self.admission.restores.permit(uid);
+        self.publish_capacity();
         let started = match &obj.spec.restore_from {
             Some(rf) => self.restore_branch(obj, rf).await,
             None => match self.fresh_source(obj).await {
@@ -523,9 +541,15 @@ impl Agent {
                 }
             },
         };
+        drop(slot);
+        // A warm claim took no slot; any place it still had in the queue goes too.
+        self.admission.restores.leave(uid);
         let (sb, extra, fork_generation) = match started {
             Ok(x) => x,
             Err(e) => {
+                // Nothing of it runs: its room goes to whoever waits.
+                self.admission.release(uid);
+                self.publish_capacity();
                 // Refused at the first reconcile and never retried: the spec's rootfs
                 // is immutable, so a retry could only be refused again.
                 let reason = if matches!(e, Error::RootfsRefused(_)) {
@@ -564,6 +588,7 @@ impl Agent {
         // Held from here on: if the report below fails (an API-server outage), the
         // retry finds the sandbox and reports it; it never starts a second one.
         let running_as = format!("running as {}", sb.id);
+        self.remember_branch(uid, obj, &sb);
         let h = self.insert_handle(uid, sb);
         if let Ok(mut u) = self.unreported.lock() {
             u.insert(uid.to_string(), extra.clone());
@@ -784,7 +809,8 @@ impl Agent {
         let Some(sb) = guard.as_ref() else {
             return Ok(Action::await_change());
         };
-        let running = self.engine.is_running(sb).await?;
+        // A frozen branch runs (it only does not get CPU); asking runsc would wait on it.
+        let running = self.decided.is_frozen(uid) || self.engine.is_running(sb).await?;
         let status = obj.status.clone().unwrap_or_default();
         if !running && status.phase == SandboxPhase::Running {
             self.write_sandbox_status(
@@ -795,6 +821,9 @@ impl Agent {
                 json!({}),
             )
             .await?;
+            // Its processes are gone: so is what they held of the node.
+            self.admission.capacity.leave(uid);
+            self.publish_capacity();
             return Ok(Action::await_change());
         }
         let reported = self
@@ -842,7 +871,8 @@ impl Agent {
             let started_by = rec.and_then(|r| r.run_epoch);
             if let Some(outcome) = recorded {
                 // Decided, but the report did not land (API outage, or a crash in
-                // between): send it again.
+                // between): send it again (frozen meanwhile).
+                self.freeze_branch(uid).await;
                 let api: Api<SandboxObj> =
                     Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
                 self.report_outcome(&api, &obj.name_any(), &outcome).await?;
@@ -1118,6 +1148,10 @@ impl Agent {
             None => None,
         };
         let outcome = recorded.and_then(|r| r.outcome).unwrap_or(decided);
+        // Decided: it stops consuming CPU before the API server hears of it.
+        if let Some(uid) = obj.uid() {
+            self.freeze_branch(&uid).await;
+        }
         self.report_outcome(&api, &obj.name_any(), &outcome).await?;
         info!(sandbox = %obj.name_any(), ?verdict, "branch verdict");
         Ok(())
@@ -1132,26 +1166,27 @@ impl Agent {
         outcome: &serde_json::Value,
     ) -> Result<()> {
         let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {"branch": outcome}});
-        let mut delay = Duration::from_millis(200);
         let mut attempts = 0;
         loop {
-            match api
-                .patch_status(
+            let sent = writes::within(
+                "branch outcome",
+                api.patch_status(
                     name,
                     &PatchParams::apply(BRANCH_MANAGER).force(),
                     &Patch::Apply(&body),
-                )
-                .await
-            {
+                ),
+            )
+            .await;
+            match sent {
                 Ok(_) => return Ok(()),
                 // Deleted (lost the race, or its BranchSet ended): nothing to report.
-                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
-                Err(e) if attempts >= 8 => return Err(e.into()),
+                Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => return Ok(()),
+                // Still recorded on disk: the sandbox's reconcile sends it again.
+                Err(e) if attempts >= 8 => return Err(e),
                 Err(e) => {
+                    warn!(error = %e, sandbox = name, attempt = attempts, "reporting the branch outcome failed; retrying");
+                    tokio::time::sleep(writes::backoff(attempts)).await;
                     attempts += 1;
-                    warn!(error = %e, sandbox = name, "reporting the branch outcome failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }
         }
@@ -1171,6 +1206,7 @@ impl Agent {
             if let Err(e) = self.pools.replace(&uid, None).await {
                 self.cleanup_failed(snap, "close warm pool", &e);
             }
+            self.admission.capacity.leave(&admission::pool_key(&uid));
             if let Some(rec) = self.registry.snapshot(&uid)? {
                 self.engine.store().remove(&rec.image_id)?;
                 self.registry.remove_snapshot(&uid)?;
@@ -1287,11 +1323,42 @@ impl Agent {
             .as_ref()
             .map(|w| usize::try_from(w.size).unwrap_or(0))
             .unwrap_or(0);
-        if self.pools.size(uid) != Some(want) {
-            let pool = (want > 0).then(|| self.engine.warm_pool(&rec.image_id, want));
-            if let Err(e) = self.pools.replace(uid, pool).await {
+        let reservation = admission::pool_key(uid);
+        let have = self.pools.size(uid);
+        if have.is_some() && have != Some(want) {
+            // Resized or emptied: the old pool goes, and what it held with it.
+            if let Err(e) = self.pools.replace(uid, None).await {
                 self.cleanup_failed(snap, "close resized warm pool", &e);
             }
+            self.admission.capacity.leave(&reservation);
+        }
+        if want == 0 {
+            self.admission.capacity.leave(&reservation);
+        } else if self.pools.size(uid).is_none() {
+            // The pool's frozen branches hold memory (no CPU) of this node: it fills
+            // once that fits, and its refills queue for restore slots like any restore.
+            let group = format!(
+                "pool/{}/{}",
+                snap.namespace().unwrap_or_default(),
+                snap.name_any()
+            );
+            let asks = self.pool_asks(snap, want);
+            if self
+                .admission
+                .capacity
+                .enter(&reservation, &group, (0, String::new()), asks)
+            {
+                let pool = self.engine.warm_pool_gated(
+                    &rec.image_id,
+                    want,
+                    self.admission.restores.clone(),
+                    group,
+                );
+                if let Err(e) = self.pools.replace(uid, Some(pool)).await {
+                    self.cleanup_failed(snap, "close resized warm pool", &e);
+                }
+            }
+            self.publish_capacity();
         }
         let ready = self.pools.ready(uid);
         let reported = snap
@@ -1304,10 +1371,13 @@ impl Agent {
             let api: Api<SnapshotObj> =
                 Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
             let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"warm": {"ready": ready_i32}}});
-            api.patch_status(
-                &snap.name_any(),
-                &PatchParams::apply("ramify-node-agent/warm-pool").force(),
-                &Patch::Apply(&body),
+            writes::within(
+                "status",
+                api.patch_status(
+                    &snap.name_any(),
+                    &PatchParams::apply("ramify-node-agent/warm-pool").force(),
+                    &Patch::Apply(&body),
+                ),
             )
             .await?;
         }
@@ -1324,10 +1394,13 @@ impl Agent {
         let api: Api<SnapshotObj> =
             Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
         let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"phase": phase}});
-        api.patch_status(
-            &snap.name_any(),
-            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         Ok(())
@@ -1364,10 +1437,13 @@ impl Agent {
             "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
         }});
-        api.patch_status(
-            &snap.name_any(),
-            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         Ok(())
@@ -1396,10 +1472,13 @@ impl Agent {
             "phase": SnapshotPhase::Failed,
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
         }});
-        api.patch_status(
-            &snap.name_any(),
-            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         self.event(snap, true, reason, message).await;
@@ -1469,28 +1548,27 @@ async fn on_branchset(obj: Arc<DeserializeGuard<BranchSet>>, agent: Arc<Agent>) 
 /// Resumes local state, then runs the agent's controllers until shutdown.
 pub async fn run(agent: Arc<Agent>) -> Result<()> {
     agent.resume().await?;
+    agent.publish_capacity();
     let client = agent.client.clone();
     let mine = watcher::Config::default()
         .fields(&format!("status.nodeName={}", agent.cfg.node))
         .any_semantic();
-    let sandboxes = Controller::new(
+    // A sandbox that waited for capacity or a restore slot is reconciled again the
+    // moment it is granted (by both controllers: each ignores what it does not hold).
+    let bound_ctl = Controller::new(
         Api::<DeserializeGuard<SandboxObj>>::all(client.clone()),
         mine.clone(),
     )
-    .shutdown_on_signal()
-    .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
-    .for_each(|_| futures::future::ready(()));
+    .reconcile_on(agent.admission.subscribe());
     // Sandboxes pinned to this node by their spec (every branch: its snapshot's node)
     // are seen at creation, a binding write earlier than through `status.nodeName`.
-    let pinned = Controller::new(
+    let pinned_ctl = Controller::new(
         Api::<DeserializeGuard<SandboxObj>>::all(client.clone()),
         watcher::Config::default()
             .fields(&format!("spec.nodeName={}", agent.cfg.node))
             .any_semantic(),
     )
-    .shutdown_on_signal()
-    .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
-    .for_each(|_| futures::future::ready(()));
+    .reconcile_on(agent.admission.subscribe());
     let snap_ctl = Controller::new(
         Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
         mine,
@@ -1502,7 +1580,17 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let _ = agent.cache.set(AgentCache {
         snapshots: snap_ctl.store(),
         branchsets: commit_ctl.store(),
+        bound: bound_ctl.store(),
+        pinned: pinned_ctl.store(),
     });
+    let sandboxes = bound_ctl
+        .shutdown_on_signal()
+        .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
+        .for_each(|_| futures::future::ready(()));
+    let pinned = pinned_ctl
+        .shutdown_on_signal()
+        .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
+        .for_each(|_| futures::future::ready(()));
     let snapshots = snap_ctl
         .shutdown_on_signal()
         .run(
@@ -1515,24 +1603,9 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         .shutdown_on_signal()
         .run(on_branchset, backoff::error_policy("commit"), agent.clone())
         .for_each(|_| futures::future::ready(()));
+    let sweep = tokio::spawn(agent.clone().sweep_admission());
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);
+    sweep.abort();
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quantities_parse_like_kubernetes() {
-        assert_eq!(cpu_millis("500m"), Some(500));
-        assert_eq!(cpu_millis("2"), Some(2000));
-        assert_eq!(cpu_millis("1.5"), Some(1500));
-        assert_eq!(cpu_millis("x"), None);
-        assert_eq!(memory_bytes("512Mi"), Some(512 << 20));
-        assert_eq!(memory_bytes("1G"), Some(1_000_000_000));
-        assert_eq!(memory_bytes("1048576"), Some(1_048_576));
-        assert_eq!(memory_bytes("lots"), None);
-    }
 }

@@ -29,7 +29,8 @@ impl Agent {
     /// directories no record points to. Run once at start-up, before the controllers.
     #[instrument(skip(self))]
     pub async fn resume(&self) -> Result<()> {
-        let live = self.bound_here::<SandboxObj>().await?;
+        let listed = self.bound_objects::<SandboxObj>().await?;
+        let live: HashSet<String> = listed.keys().cloned().collect();
         let recovered = self.engine.recover().await?;
         for bad in recovered.unreadable {
             self.report_corrupt("sandbox-dir", &bad.path.display().to_string(), &bad.error)
@@ -67,7 +68,16 @@ impl Agent {
             match local.remove(&rec.sandbox_id) {
                 Some(sb) if live.contains(&uid) => {
                     info!(sandbox = %rec.name, id = %sb.id, "re-adopted live sandbox");
+                    if let Some(obj) = listed.get(&uid) {
+                        // It holds its request; a decided branch is frozen again.
+                        self.readopt(obj, &uid);
+                        self.remember_branch(&uid, obj, &sb);
+                    }
+                    let decided = rec.outcome.is_some();
                     self.insert_handle(&uid, sb);
+                    if decided {
+                        self.freeze_branch(&uid).await;
+                    }
                 }
                 Some(sb) => {
                     info!(sandbox = %rec.name, id = %sb.id, "destroying orphan: its Sandbox object is gone");
@@ -124,14 +134,22 @@ impl Agent {
     where
         K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
     {
+        Ok(self.bound_objects::<K>().await?.into_keys().collect())
+    }
+
+    /// The objects of kind `K` bound to this node, by uid.
+    async fn bound_objects<K>(&self) -> Result<std::collections::HashMap<String, K>>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
         let bound = ListParams::default().fields(&format!("status.nodeName={}", self.cfg.node));
         let api: Api<K> = Api::all(self.client.clone());
         Ok(api
             .list(&bound)
             .await?
             .items
-            .iter()
-            .filter_map(|o| o.uid())
+            .into_iter()
+            .filter_map(|o| Some((o.uid()?, o)))
             .collect())
     }
 
