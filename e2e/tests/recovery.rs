@@ -136,3 +136,45 @@ async fn a_corrupt_registry_record_is_skipped_and_reported_and_the_resume_goes_o
     }
     sys.teardown_and_check_clean().await;
 }
+
+/// A deletion whose teardown fails part-way (the network release, as a CNI DEL racing
+/// another destroy once did in CI) keeps the sandbox held and its finalizer on: the
+/// retry tears down what is left, and only then does the object go. Before, the retry
+/// found no handle, released the finalizer, and the IP lease and rules stayed for good.
+#[tokio::test]
+async fn a_deletion_whose_teardown_fails_once_leaves_nothing_behind() {
+    let sys = System::start_with(
+        "teardown-retry",
+        &[],
+        &[("RAMIFY_FAULT_FAIL", ramify_node_agent::fault::RELEASE_FAILS)],
+    )
+    .await;
+    sys.running_workspace().await;
+    sys.sandboxes()
+        .delete("workspace", &Default::default())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sys
+        .sandboxes()
+        .get_opt("workspace")
+        .await
+        .unwrap()
+        .is_some()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the deleted sandbox never went\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(sys.log_dir.join("node-agent.log")).unwrap();
+    assert!(
+        log.contains("this step fails once"),
+        "the fault point never fired, so nothing was tested\n{}",
+        sys.agent.log_tail(40)
+    );
+    // No IP lease, rule, netns, cgroup, mount or directory of it is left.
+    sys.teardown_and_check_clean().await;
+}

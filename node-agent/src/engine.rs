@@ -1083,7 +1083,15 @@ impl Engine {
             warn!(error = %e, "cgroup removal");
             first.get_or_insert(e);
         }
-        if let Err(e) = self.inner.placement.release(&sb.placed).await {
+        let released = if crate::fault::fail_once(crate::fault::RELEASE_FAILS) {
+            Err(Error::Sandbox {
+                id: sb.id.clone(),
+                reason: "its network release failed (fault point)".into(),
+            })
+        } else {
+            self.inner.placement.release(&sb.placed).await
+        };
+        if let Err(e) = released {
             first.get_or_insert(e);
         }
         unmount_control_dir(&sb.control_dir());

@@ -17,6 +17,7 @@ pub mod control;
 pub mod diff;
 pub mod engine;
 pub mod error;
+pub mod fault;
 pub mod freezer;
 pub mod placement;
 pub mod private;

@@ -25,9 +25,10 @@ use tracing::{info, instrument, warn};
 
 use super::commit_guard::{Conflict, PendingFullCommit, Promotes};
 use super::registry::SandboxRecord;
-use super::{Agent, COMMIT_MANAGER, MAX_LISTED_FILES, fault, now, writes};
+use super::{Agent, COMMIT_MANAGER, MAX_LISTED_FILES, now, writes};
 use crate::engine::Sandbox;
 use crate::error::{Error, Result};
+use crate::fault;
 
 /// How an attempt to commit ended.
 enum Applied {

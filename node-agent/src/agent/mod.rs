@@ -14,7 +14,6 @@ mod commit;
 pub mod commit_guard;
 pub mod decided;
 pub mod endpoint;
-pub mod fault;
 pub mod lease;
 pub mod metrics;
 pub mod pools;
@@ -460,7 +459,13 @@ impl Agent {
                         Some(sb) => {
                             // The object goes only once the node holds nothing of it.
                             info!(id = %sb.id, "destroying deleted sandbox");
-                            self.engine.destroy(sb).await?;
+                            if let Err(e) = self.engine.teardown(&sb).await {
+                                // Held again, so the retry tears down what is left (a
+                                // lease, a rule) instead of finding no handle and
+                                // releasing the finalizer over a half-removed sandbox.
+                                self.insert_handle(&uid, sb);
+                                return Err(e);
+                            }
                         }
                         None => {
                             info!("deleted sandbox was already handed over (commit) or destroyed")
