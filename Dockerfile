@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1.7
-# Images for the operator and the node agent. Build one with --target:
+# Images for the operator, the node agent and ramify-api. Build one with --target:
 #   docker build --target operator   -t ramify/operator:dev .
 #   docker build --target node-agent -t ramify/node-agent:dev .
+#   docker build --target api        -t ramify/api:dev .
 
 # --- Rust: static (musl) binaries -------------------------------------------------
 FROM rust:1.95-bookworm AS rust-build
@@ -11,16 +12,20 @@ RUN rustup target add x86_64-unknown-linux-musl && \
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY crds crds
+COPY runtime runtime
 COPY operator operator
 COPY node-agent node-agent
+COPY api api
+COPY plugin plugin
 COPY e2e e2e
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --target x86_64-unknown-linux-musl \
-      -p ramify-operator -p ramify-node-agent && \
+      -p ramify-operator -p ramify-node-agent -p ramify-api && \
     mkdir -p /out && \
     cp target/x86_64-unknown-linux-musl/release/ramify-operator \
-       target/x86_64-unknown-linux-musl/release/ramify-node-agent /out/
+       target/x86_64-unknown-linux-musl/release/ramify-node-agent \
+       target/x86_64-unknown-linux-musl/release/ramify-api /out/
 
 # --- Go: the pinned runsc (restores need the exact version that checkpointed) ------
 FROM golang:1.26-bookworm AS runsc-build
@@ -33,6 +38,12 @@ FROM gcr.io/distroless/static-debian12:nonroot AS operator
 COPY --from=rust-build /out/ramify-operator /ramify-operator
 USER 65532:65532
 ENTRYPOINT ["/ramify-operator"]
+
+# --- ramify-api: nothing but the binary, non-root ---------------------------------
+FROM gcr.io/distroless/static-debian12:nonroot AS api
+COPY --from=rust-build /out/ramify-api /ramify-api
+USER 65532:65532
+ENTRYPOINT ["/ramify-api"]
 
 # --- node agent: runsc, CNI plugins and iptables for per-sandbox networking ---------
 FROM debian:bookworm-slim AS node-agent

@@ -51,7 +51,7 @@ RAMIFY_RUNSC="$current_runsc" cargo test -p ramify-node-agent --locked -- --incl
 
 # Its own state, control plane, ports, network and cgroup parent: a `make demo` already
 # running on this machine neither collides with it nor is stopped by its `down`.
-step "the demo end to end (make demo), beside any running demo, checked for a committed winner"
+step "the demo end to end (make demo), beside any running demo, checked for a committed winner, then every README kubectl ramify example"
 test_demo() {
   env RAMIFY_DEMO_DIR="$repo/.ramify/test-demo" RAMIFY_CP_DIR="$repo/.ramify/test-demo/controlplane" \
     RAMIFY_CP_PORT_BASE=16640 RAMIFY_DEMO_METRICS_PORT=18180 RAMIFY_DEMO_BRIDGE=rmytdemo0 \
@@ -68,8 +68,14 @@ fi
 tail -n 12 "$demo_log"
 grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; test_demo down || true; exit 1; }
 grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; test_demo down || true; exit 1; }
+# Every `kubectl ramify` example of the README, as printed, against the running demo.
+if ! RAMIFY_CP_DIR="$repo/.ramify/test-demo/controlplane" hack/demo-check.sh 2>&1 | tee -a "$demo_log"; then
+  echo "a README kubectl ramify example failed against the demo" >&2
+  tail -n 20 "$repo/.ramify/test-demo/api.log" >&2 || true
+  test_demo down || true; exit 1
+fi
 test_demo down
-echo "test result: ok. 1 passed; 0 failed; 0 ignored (make demo)" >>"$results"
+echo "test result: ok. 2 passed; 0 failed; 0 ignored (make demo, README examples)" >>"$results"
 
 # One closing line for the whole run.
 passed=$(grep -o '[0-9]* passed' "$results" | awk '{s+=$1} END {print s+0}')

@@ -232,6 +232,20 @@ pub enum BranchSetPhase {
     Exhausted,
     /// The BranchSet could not proceed (see the Ready condition).
     Failed,
+    /// A winner was chosen, but the node agent refused its commit: the parent changed
+    /// (another BranchSet's commit was applied) since this set's fork point. Nothing
+    /// was applied; the Ready condition (reason `CommitConflict`) says what changed.
+    Conflict,
+}
+
+impl BranchSetPhase {
+    /// Whether the BranchSet has ended (nothing more happens to it).
+    pub fn is_ended(self) -> bool {
+        matches!(
+            self,
+            Self::Committed | Self::Exhausted | Self::Failed | Self::Conflict
+        )
+    }
 }
 
 /// Phase of one branch.
@@ -254,6 +268,8 @@ pub enum BranchPhase {
     Won,
     /// Discarded because another branch won, or because the BranchSet ended.
     Invalidated,
+    /// Chosen, but its commit was refused: the parent changed since the fork point.
+    Conflict,
 }
 
 /// A verdict.
@@ -305,7 +321,8 @@ pub struct BranchSetStatus {
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Observations, keyed by type: `Forked`, `Decided`, `Ready`.
+    /// Observations, keyed by type: `Forked`, `Decided`, `Ready`; `Reconciled` and
+    /// `NodeReconciled` when the operator or a node agent failed on it for good.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,

@@ -20,6 +20,10 @@ pub const ANNOTATION_ABORT: &str = "ramify.dev/abort";
 /// node-side state (runsc sandbox, netns, cgroups, image files).
 pub const FINALIZER_NODE_CLEANUP: &str = "ramify.dev/node-cleanup";
 
+/// Reason (condition, Event) of a commit the node agent refused because the parent
+/// changed since the fork point: first commit wins across every BranchSet of a parent.
+pub const REASON_COMMIT_CONFLICT: &str = "CommitConflict";
+
 /// Status of a condition, as in every Kubernetes API.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
 pub enum ConditionStatus {
@@ -120,3 +124,13 @@ pub struct EnvVar {
     #[schemars(length(max = 32768))]
     pub value: String,
 }
+
+/// Condition set by the operator when reconciling the object failed in a way no retry
+/// can fix (`False`, the error category as reason); `True` again after its next success.
+pub const CONDITION_RECONCILED: &str = "Reconciled";
+/// The node agent's counterpart of [`CONDITION_RECONCILED`]; its message names the node.
+pub const CONDITION_NODE_RECONCILED: &str = "NodeReconciled";
+/// Field manager of the operator's [`CONDITION_RECONCILED`] writes (it owns only that).
+pub const MANAGER_OPERATOR_ERRORS: &str = "ramify-operator/errors";
+/// Field manager of the node agent's [`CONDITION_NODE_RECONCILED`] writes.
+pub const MANAGER_AGENT_ERRORS: &str = "ramify-node-agent/errors";

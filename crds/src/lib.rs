@@ -2,16 +2,20 @@
 //! node agent. The CRD YAML in `crds/yaml/` is generated from these types by `crdgen`.
 
 pub mod branchset;
+pub mod capacity;
 pub mod common;
 pub mod exit;
 pub mod platform;
+pub mod rootfsclass;
 pub mod sandbox;
 pub mod snapshot;
+pub mod subresources;
 
 pub use branchset::*;
 pub use common::*;
 pub use exit::*;
 pub use platform::*;
+pub use rootfsclass::*;
 pub use sandbox::*;
 pub use snapshot::*;
 
@@ -23,7 +27,12 @@ use kube::CustomResourceExt;
 /// Every CRD of the API, in install order, with descriptions reflowed for
 /// `kubectl explain`.
 pub fn all_crds() -> Vec<CustomResourceDefinition> {
-    let mut crds = vec![Sandbox::crd(), Snapshot::crd(), BranchSet::crd()];
+    let mut crds = vec![
+        Sandbox::crd(),
+        Snapshot::crd(),
+        BranchSet::crd(),
+        RootfsClass::crd(),
+    ];
     for crd in &mut crds {
         for version in &mut crd.spec.versions {
             if let Some(schema) = version

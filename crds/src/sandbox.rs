@@ -25,6 +25,7 @@ use crate::common::{Condition, EnvVar};
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName"}"#,
     printcolumn = r#"{"name":"Restored-From","type":"string","jsonPath":".status.restoredFrom.snapshot"}"#,
+    printcolumn = r#"{"name":"Commits","type":"integer","priority":1,"jsonPath":".status.commits"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(
@@ -40,8 +41,8 @@ pub struct SandboxSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 1024))]
     pub image: Option<String>,
-    /// A root filesystem already present on the node (standalone mode). Exactly one of
-    /// `image` or `rootfs` is set.
+    /// A root filesystem the cluster administrator declared (a `RootfsClass`), for
+    /// standalone mode. Exactly one of `image` or `rootfs` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rootfs: Option<Rootfs>,
     /// The command of the sandbox's first process (argv). Required unless `restoreFrom`
@@ -58,7 +59,10 @@ pub struct SandboxSpec {
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("spec.workingDir must be an absolute path"))]
     #[schemars(length(max = 4096))]
     pub working_dir: Option<String>,
-    /// CPU and memory limits of the sandbox (enforced through its cgroup).
+    /// CPU and memory of the sandbox: what its node reserves for it (it starts only
+    /// when they fit the node's sandbox allocatable) and its cgroup limits. Without
+    /// them the node accounts 250m CPU and 256Mi memory and sets no limit of its own;
+    /// a branch has its source sandbox's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<Resources>,
     /// Network policy. Egress is denied unless allowed here.
@@ -78,23 +82,33 @@ pub struct SandboxSpec {
     pub allow_snapshot_with_secrets: bool,
 }
 
-/// A root filesystem on the node.
+/// Which administrator-declared root filesystem a sandbox starts from. A Sandbox names
+/// a cluster-scoped `RootfsClass`; it can never name a node directory itself.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(self.path)").message("spec.rootfs.path is not accepted: a Sandbox cannot name a node directory; set spec.rootfs.class to a RootfsClass declared by the cluster administrator").field_path(".path"),
+    validation = Rule::new("!has(self.ociRef)").message("spec.rootfs.ociRef is not accepted: a Sandbox cannot name a node OCI layout; set spec.rootfs.class to a RootfsClass declared by the cluster administrator").field_path(".ociRef"),
+    validation = Rule::new("has(self.class)").message("spec.rootfs.class must name a RootfsClass").field_path(".class"),
+)]
 pub struct Rootfs {
-    /// Absolute path of a root filesystem directory, or of an OCI image layout
-    /// directory when `ociRef` is set.
-    #[x_kube(validation = Rule::new("self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("spec.rootfs.path must be an absolute path without '..'"))]
-    #[schemars(length(min = 1, max = 4096))]
-    pub path: String,
-    /// Reference (tag) inside the OCI image layout at `path`; when empty, `path` is a
-    /// plain directory.
+    /// Name of a cluster-scoped RootfsClass (`kubectl get rootfsclasses`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 256))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')").message("spec.rootfs.class must be a lowercase DNS subdomain name"))]
+    #[schemars(length(min = 1, max = 253))]
+    pub class: Option<String>,
+    /// Removed: always rejected (a tenant must not name a node path). Kept in the
+    /// schema so the API server says why instead of pruning it silently.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub path: Option<String>,
+    /// Removed: always rejected, like `path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
     pub oci_ref: Option<String>,
 }
 
-/// CPU and memory limits.
+/// CPU and memory of a sandbox (requests and limits alike).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Resources {
@@ -240,7 +254,8 @@ pub struct SandboxStatus {
     /// limit it reached (`OOMKilled`, `PidsLimitReached`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit: Option<crate::exit::SandboxExit>,
-    /// Number of commits promoted into this sandbox from its branches.
+    /// Number of commits promoted into this sandbox from its branches: its commit
+    /// generation. Snapshots record it as their fork point.
     #[serde(default)]
     pub commits: i64,
     /// For a branch: how its run and verdict went (written by the node agent).
@@ -249,10 +264,15 @@ pub struct SandboxStatus {
     /// The last commit promoted into this sandbox (written by the node agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_commit: Option<AppliedCommit>,
+    /// For a winning branch: why the node agent refused to commit it (written by the
+    /// node agent; nothing of it was applied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit_refused: Option<CommitRefusal>,
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Observations, keyed by type: `Scheduled`, `Ready`.
+    /// Observations, keyed by type: `Scheduled`, `Ready`; `Reconciled` and
+    /// `NodeReconciled` when the operator or a node agent failed on it for good.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
@@ -326,6 +346,29 @@ pub struct AppliedCommit {
     #[serde(default)]
     pub bytes: i64,
     /// When it was applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Time>,
+}
+
+/// A commit the node agent refused: the parent changed since the winner's fork point.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CommitRefusal {
+    /// The BranchSet whose winner this is.
+    pub branch_set_uid: String,
+    /// `CommitConflict`.
+    pub reason: String,
+    /// What changed in the parent.
+    pub message: String,
+    /// The parent's commit generation when the winner's snapshot was captured.
+    pub fork_generation: i64,
+    /// The parent's commit generation when the commit was refused.
+    pub parent_generation: i64,
+    /// For `Paths` commits: promoted paths that a later commit changed in the parent
+    /// (at most 256 listed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conflicting_paths: Vec<String>,
+    /// When it was refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at: Option<Time>,
 }

@@ -24,6 +24,7 @@ use crate::common::Condition;
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Size","type":"integer","format":"int64","jsonPath":".status.sizeBytes"}"#,
     printcolumn = r#"{"name":"Warm","type":"integer","jsonPath":".status.warm.ready"}"#,
+    printcolumn = r#"{"name":"Source-Commits","type":"integer","priority":1,"jsonPath":".status.sourceCommitGeneration"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -127,13 +128,18 @@ pub struct SnapshotStatus {
     /// When the capture finished.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub captured_at: Option<Time>,
+    /// The source's commit generation (`status.commits`) when it was captured: the fork
+    /// point. A branch of this snapshot commits only if its parent is still there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_commit_generation: Option<i64>,
     /// Warm pool state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<WarmStatus>,
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Observations, keyed by type: `Ready`.
+    /// Observations, keyed by type: `Ready`; `Reconciled` and `NodeReconciled` when
+    /// the operator or a node agent failed on it for good.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,

@@ -5,6 +5,7 @@
 //! kube-controller-manager on loopback. When the control plane cannot start, the error
 //! says why and the test fails; it never skips.
 
+pub mod access;
 pub mod system;
 
 use std::path::{Path, PathBuf};
@@ -294,6 +295,14 @@ impl Component {
             env,
             log: log_dir.join(format!("{name}.log")),
             child: None,
+        }
+    }
+
+    /// Sets (`Some`) or removes (`None`) an environment variable for the next start.
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.env.push((key.to_string(), v.to_string()));
         }
     }
 

@@ -8,9 +8,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::wait::await_condition;
-use ramify_crds::{BranchSet, LABEL_BRANCHSET, Sandbox, SandboxPhase};
+use ramify_crds::{BranchSet, LABEL_BRANCHSET, RootfsClass, Sandbox, SandboxPhase};
 
 use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, repo_root};
 
@@ -23,11 +23,18 @@ pub struct System {
     pub agent: Component,
     pub state_dir: PathBuf,
     pub runsc: PathBuf,
+    /// The busybox root filesystem, inside [`System::rootfs_root`].
     pub rootfs: PathBuf,
-    /// The node agent's node name (its Lease is `ramify-node-<node>`).
-    pub node: String,
-    /// Namespace of the node Lease.
+    /// The namespace of the agent's Lease (where ramify-api looks up its endpoint).
     pub system_namespace: String,
+    /// Certificates of ramify-api and the agent endpoint (`hack/pki.sh`).
+    pub pki: PathBuf,
+    /// Where the components log.
+    pub log_dir: PathBuf,
+    /// The agent's one `--rootfs-root` (shared by every e2e system).
+    pub rootfs_root: PathBuf,
+    /// The RootfsClass naming [`System::rootfs`]: what every test Sandbox starts from.
+    pub rootfs_class: String,
     /// Names this system's cgroup parent (`/ramify-e2e-<suffix>`).
     suffix: String,
     /// The e2e bridge's iptables rules from before this system started.
@@ -73,8 +80,21 @@ pub fn clean_earlier_runs() {
     });
 }
 
+/// What the e2e agent keeps from sandboxes: the agent's own defaults, spelled out. On
+/// this 2-core, 24 GiB machine the sandbox allocatable is 1.6 CPU and about 21.5 GiB,
+/// the realistic figure (the control plane and the agent run on the same node).
+pub const RESERVE_CPU: &str = "400m";
+pub const RESERVE_MEMORY: &str = "2Gi";
+
 impl System {
     pub async fn start(name: &str) -> System {
+        Self::start_with(name, &[], &[]).await
+    }
+
+    /// [`System::start`] with more node-agent `run` flags (a benchmark announcing a
+    /// larger allocatable, a test with fewer restore slots) and more node-agent
+    /// environment (fault hold points).
+    pub async fn start_with(name: &str, agent_args: &[&str], agent_env: &[(&str, &str)]) -> System {
         clean_earlier_runs();
         let cp = ControlPlane::ensure().expect("control plane");
         let client = cp.client().await.expect("client");
@@ -87,7 +107,8 @@ impl System {
             .join(format!("{name}-{suffix}"));
         std::fs::create_dir_all(&base).unwrap();
         let state_dir = base.join("agent");
-        let rootfs = repo_root().join(".ramify/e2e/rootfs");
+        let rootfs_root = repo_root().join(".ramify/e2e/roots");
+        let rootfs = rootfs_root.join("busybox");
         let agent_bin = binary("ramify-node-agent").unwrap();
         let out = Command::new(&agent_bin)
             .args(["rootfs", "--out"])
@@ -99,7 +120,9 @@ impl System {
             "rootfs: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        let rootfs_class = declare_rootfs_class(&client, ROOTFS_CLASS, &rootfs).await;
         let runsc = runsc();
+        let pki = crate::access::pki(&base.join("pki"), &system_ns.name);
         let kubeconfig = cp.kubeconfig.to_string_lossy().into_owned();
         let env = vec![
             ("KUBECONFIG".to_string(), kubeconfig),
@@ -144,10 +167,33 @@ impl System {
                 // Its own cgroup parent: what is left under it is this system's.
                 "--cgroup-parent".into(),
                 format!("/ramify-e2e-{suffix}"),
-            ],
+                // The mTLS endpoint ramify-api dials (any free port; the Lease says which).
+                "--endpoint-listen".into(),
+                "127.0.0.1:0".into(),
+                "--endpoint-cert".into(),
+                pki.join("agent.crt").to_string_lossy().into_owned(),
+                "--endpoint-key".into(),
+                pki.join("agent.key").to_string_lossy().into_owned(),
+                "--endpoint-client-ca".into(),
+                pki.join("ca.crt").to_string_lossy().into_owned(),
+                "--rootfs-root".into(),
+                rootfs_root.to_string_lossy().into_owned(),
+                "--rootfs-cache".into(),
+                base.join("rootfs-cache").to_string_lossy().into_owned(),
+                "--reserve-cpu".into(),
+                RESERVE_CPU.into(),
+                "--reserve-memory".into(),
+                RESERVE_MEMORY.into(),
+            ]
+            .into_iter()
+            .chain(agent_args.iter().map(|a| a.to_string()))
+            .collect(),
             env,
             &base,
         );
+        for (k, v) in agent_env {
+            agent.set_env(k, Some(v));
+        }
         // RAMIFY_E2E_PLATFORM runs the agent on another gVisor platform than its
         // default (`auto`: systrap with this runsc), e.g. to compare in the bench.
         if let Ok(p) = std::env::var("RAMIFY_E2E_PLATFORM") {
@@ -165,8 +211,11 @@ impl System {
             state_dir,
             runsc,
             rootfs,
-            node,
             system_namespace: system_ns.name.clone(),
+            pki,
+            log_dir: base,
+            rootfs_root,
+            rootfs_class,
             suffix: suffix.to_string(),
             iptables_before,
         }
@@ -190,7 +239,7 @@ impl System {
     ) -> String {
         let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
             Api::namespaced(self.client.clone(), &self.system_namespace);
-        let name = format!("ramify-node-{}", self.node);
+        let name = format!("ramify-node-{}", self.node());
         let deadline = Instant::now() + Duration::from_secs(secs);
         loop {
             let got = leases
@@ -211,17 +260,17 @@ impl System {
         }
     }
 
-    /// A busybox Sandbox of this system's rootfs running `script` (`sh -c`), with
+    /// A busybox Sandbox of this system's RootfsClass running `script` (`sh -c`), with
     /// `resources` (a flow mapping such as `{cpu: 500m, memory: 256Mi}`; empty: none).
-    pub fn sandbox_yaml(&self, name: &str, script: &str, resources: &str) -> String {
+    pub fn sandbox_with(&self, name: &str, script: &str, resources: &str) -> String {
         let resources = if resources.is_empty() {
             String::new()
         } else {
             format!("  resources: {resources}\n")
         };
         format!(
-            "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  rootfs: {{path: {}}}\n  command: [\"/bin/sh\", \"-c\", {script:?}]\n  env: [{{name: PATH, value: /bin}}]\n{resources}",
-            self.rootfs.display()
+            "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  rootfs: {{class: {}}}\n  command: [\"/bin/sh\", \"-c\", {script:?}]\n  env: [{{name: PATH, value: /bin}}]\n{resources}",
+            self.rootfs_class
         )
     }
 
@@ -251,6 +300,56 @@ impl System {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Starts ramify-api for this system and registers it with the control plane
+    /// (what `kubectl ramify exec|logs|diff` go through).
+    pub fn start_api(&self) -> crate::access::ApiServer {
+        crate::access::ApiServer::start(&self.cp, &self.system_namespace, &self.pki, &self.log_dir)
+    }
+
+    /// The cgroup every sandbox of this system's agent lives under (its ceiling).
+    pub fn cgroup_parent(&self) -> String {
+        format!("ramify-e2e-{}", self.suffix)
+    }
+
+    /// The node name this system's agent announces.
+    pub fn node(&self) -> String {
+        format!("e2e-{}", self.suffix)
+    }
+
+    /// The API server's request counters (`apiserver_request_total`) summed by
+    /// `verb resource[/subresource]`: read before and after a run, the difference is
+    /// what the run cost the API server.
+    pub fn api_requests(&self) -> std::collections::BTreeMap<String, f64> {
+        let out = self
+            .cp
+            .kubectl_run(&["get", "--raw", "/metrics"], None)
+            .unwrap();
+        assert!(out.success, "kubectl get --raw /metrics: {}", out.stderr);
+        let mut by = std::collections::BTreeMap::new();
+        for line in out.stdout.lines() {
+            let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+                continue;
+            };
+            let Some((labels, value)) = rest.rsplit_once("} ") else {
+                continue;
+            };
+            let label = |k: &str| {
+                labels
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
+                    .map(|v| v.trim_end_matches('"').to_string())
+                    .unwrap_or_default()
+            };
+            let mut key = format!("{} {}", label("verb"), label("resource"));
+            let sub = label("subresource");
+            if !sub.is_empty() {
+                key = format!("{key}/{sub}");
+            }
+            *by.entry(key).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+        }
+        by
     }
 
     /// Sandboxes and Snapshots still in the test namespace.
@@ -380,20 +479,38 @@ impl System {
         )
     }
 
-    /// The parent every test forks: counts in memory, keeps config on disk.
+    /// The parent every test forks: counts in memory, keeps config on disk. It asks
+    /// 400m CPU, so with its three branches it fills the node's 1.6 CPU: every
+    /// branch of these tests runs at once, as before admission.
     pub fn workspace(&self) -> String {
+        self.workspace_asking("400m")
+    }
+
+    /// [`System::workspace`] asking `cpu` (and 256Mi).
+    pub fn workspace_asking(&self, cpu: &str) -> String {
+        self.sandbox_yaml(
+            "workspace",
+            "mkdir -p /work && echo mode=slow > /work/app.conf && i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done",
+            cpu,
+            "256Mi",
+        )
+    }
+
+    /// A fresh Sandbox on the test rootfs running `/bin/sh -c script`, asking `cpu`
+    /// and `memory`.
+    pub fn sandbox_yaml(&self, name: &str, script: &str, cpu: &str, memory: &str) -> String {
         format!(
             r#"apiVersion: ramify.dev/v1alpha1
 kind: Sandbox
 metadata:
-  name: workspace
+  name: {name}
 spec:
-  rootfs: {{path: {}}}
-  command: ["/bin/sh", "-c", "mkdir -p /work && echo mode=slow > /work/app.conf && i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done"]
+  rootfs: {{class: {}}}
+  command: ["/bin/sh", "-c", "{script}"]
   env: [{{name: PATH, value: /bin}}]
-  resources: {{cpu: "1", memory: 256Mi}}
+  resources: {{cpu: "{cpu}", memory: {memory}}}
 "#,
-            self.rootfs.display()
+            self.rootfs_class
         )
     }
 
@@ -459,6 +576,68 @@ spec:
         self.agent.kill().unwrap();
         remove_cgroup_parents(&format!("ramify-e2e-{}", self.suffix));
     }
+}
+
+/// The RootfsClass of the e2e busybox rootfs (cluster-scoped, shared by every system).
+pub const ROOTFS_CLASS: &str = "e2e-busybox";
+
+/// Declares (server-side apply) the cluster-scoped RootfsClass `name` for `path`, as a
+/// cluster administrator would; returns its name.
+pub async fn declare_rootfs_class(client: &Client, name: &str, path: &Path) -> String {
+    declare_class(client, name, &path.to_string_lossy(), None).await;
+    name.to_string()
+}
+
+/// Server-side applies a RootfsClass (an OCI layout when `oci_ref` is set).
+pub async fn declare_class(client: &Client, name: &str, path: &str, oci_ref: Option<&str>) {
+    let api: Api<RootfsClass> = Api::all(client.clone());
+    let mut spec = serde_json::json!({"path": path});
+    if let Some(r) = oci_ref {
+        spec["ociRef"] = r.into();
+    }
+    let class = serde_json::json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "RootfsClass",
+        "metadata": {"name": name}, "spec": spec,
+    });
+    api.patch(
+        name,
+        &PatchParams::apply("ramify-e2e").force(),
+        &Patch::Apply(&class),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("RootfsClass {name}: {e}"));
+}
+
+/// Every path under an agent's state `dir` whose mode lets group or others in. Not
+/// checked, and not descended into: the mount points in `skip` (the sandboxes'
+/// read-only rootfs bind mounts: the administrator's root filesystem) and what a
+/// workload wrote to its own `/run/ramify` (below `sandboxes/<id>/control`: the gofer
+/// gives it the mode the workload chose). Both sit in a 0700 `sandboxes/<id>`.
+pub fn open_to_others(dir: &Path, skip: &[PathBuf]) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(md) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        let workload_written = p
+            .ancestors()
+            .skip(1)
+            .any(|a| a.file_name().is_some_and(|n| n == "control"));
+        if md.file_type().is_symlink() || skip.contains(&p) || workload_written {
+            continue;
+        }
+        if md.mode() & 0o077 != 0 {
+            out.push(format!("{:o} {}", md.mode() & 0o7777, p.display()));
+        }
+        if md.is_dir() {
+            for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                stack.push(e.path());
+            }
+        }
+    }
+    out
 }
 
 /// The cgroup v2 tree and every v1 hierarchy (whichever this host has).

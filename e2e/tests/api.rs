@@ -274,42 +274,47 @@ fn invalid_cases() -> Vec<Invalid> {
         vec![
             Invalid {
                 what: "sandbox with image and rootfs",
-                yaml: "  image: busybox\n  rootfs: {path: /r}\n  command: [sh]\n",
+                yaml: "  image: busybox\n  rootfs: {class: r}\n  command: [sh]\n",
                 expect: &["spec.rootfs", "exactly one of spec.image or spec.rootfs"],
             },
             Invalid {
-                what: "sandbox with a relative rootfs",
+                what: "sandbox naming a node directory",
                 yaml: "  rootfs: {path: rootfs/busybox}\n  command: [sh]\n",
-                expect: &["spec.rootfs.path", "absolute path"],
+                expect: &["spec.rootfs.path", "cannot name a node directory"],
+            },
+            Invalid {
+                what: "sandbox with a rootfs class that is not a name",
+                yaml: "  rootfs: {class: ../Busybox}\n  command: [sh]\n",
+                expect: &["spec.rootfs.class", "lowercase DNS subdomain"],
             },
             Invalid {
                 what: "sandbox without a command",
-                yaml: "  rootfs: {path: /r}\n",
+                yaml: "  rootfs: {class: r}\n",
                 expect: &["spec.command", "must not be empty unless spec.restoreFrom"],
             },
             Invalid {
                 what: "egress Allow without destinations",
-                yaml: "  rootfs: {path: /r}\n  command: [sh]\n  network: {egress: Allow}\n",
+                yaml: "  rootfs: {class: r}\n  command: [sh]\n  network: {egress: Allow}\n",
                 expect: &["spec.network.allow", "lists destinations"],
             },
             Invalid {
                 what: "egress rule that is not a CIDR",
-                yaml: "  rootfs: {path: /r}\n  command: [sh]\n  network: {egress: Allow, allow: [{cidr: 10.0.0.0/99}]}\n",
+                yaml: "  rootfs: {class: r}\n  command: [sh]\n  network: {egress: Allow, allow: [{cidr: 10.0.0.0/99}]}\n",
                 expect: &["spec.network.allow[0].cidr", "must be a CIDR"],
             },
             Invalid {
                 what: "memory that is not a quantity",
-                yaml: "  rootfs: {path: /r}\n  command: [sh]\n  resources: {memory: lots}\n",
+                yaml: "  rootfs: {class: r}\n  command: [sh]\n  resources: {memory: lots}\n",
                 expect: &["spec.resources.memory", "quantity"],
             },
             Invalid {
                 what: "env name starting with a digit",
-                yaml: "  rootfs: {path: /r}\n  command: [sh]\n  env: [{name: 1BAD, value: x}]\n",
+                yaml: "  rootfs: {class: r}\n  command: [sh]\n  env: [{name: 1BAD, value: x}]\n",
                 expect: &["spec.env[0].name", "must not start with a digit"],
             },
             Invalid {
                 what: "relative working directory",
-                yaml: "  rootfs: {path: /r}\n  command: [sh]\n  workingDir: work\n",
+                yaml: "  rootfs: {class: r}\n  command: [sh]\n  workingDir: work\n",
                 expect: &["spec.workingDir", "absolute path"],
             },
         ]
@@ -446,7 +451,7 @@ async fn immutable_fields_cannot_change() {
         &snap("b"),
         "spec.source is immutable",
     );
-    let sbx = |extra: &str| format!("{SBX_HEAD}  rootfs: {{path: /r}}\n  command: [sh]\n{extra}");
+    let sbx = |extra: &str| format!("{SBX_HEAD}  rootfs: {{class: r}}\n  command: [sh]\n{extra}");
     assert_update_rejected(
         &cp,
         &ns.name,
@@ -454,15 +459,15 @@ async fn immutable_fields_cannot_change() {
         &sbx("  restoreFrom: {snapshot: s}\n"),
         "spec.restoreFrom is immutable",
     );
-    let sbx2 = |path: &str| {
-        format!("{SBX_HEAD}  rootfs: {{path: {path}}}\n  command: [sh]\n")
+    let sbx2 = |class: &str| {
+        format!("{SBX_HEAD}  rootfs: {{class: {class}}}\n  command: [sh]\n")
             .replace("name: bad", "name: bad2")
     };
     assert_update_rejected(
         &cp,
         &ns.name,
-        &sbx2("/r"),
-        &sbx2("/other"),
+        &sbx2("r"),
+        &sbx2("other"),
         "spec.image and spec.rootfs are immutable",
     );
 

@@ -166,10 +166,19 @@ fn schema_rejects_bad_values_with_the_key_named() {
             "at '/operator': additional properties 'replica' not allowed",
         ),
         (
+            "api.replicas=-1",
+            "at '/api/replicas': minimum: got -1, want 0",
+        ),
+        (
             "agent.platform=firecracker",
             "at '/agent/platform': value must be one of 'auto', 'systrap', 'ptrace', 'kvm'",
         ),
         ("agent.stateDir=var/lib/ramify", "at '/agent/stateDir'"),
+        ("agent.reserve.cpu=lots", "at '/agent/reserve/cpu'"),
+        (
+            "agent.maxConcurrentRestores=-1",
+            "at '/agent/maxConcurrentRestores'",
+        ),
         (
             "agent.image.pullPolicy=Sometimes",
             "at '/agent/image/pullPolicy'",
@@ -261,10 +270,20 @@ fn defaults_render_the_documented_deployment() {
         "--state-dir=/var/lib/ramify",
         "--metrics-addr=0.0.0.0:8081",
         "--platform=auto",
+        "--reserve-cpu=400m",
+        "--reserve-memory=2Gi",
         "--mode=cluster",
+        "--rootfs-root=/var/lib/ramify-rootfs",
+        "--rootfs-cache=/var/cache/ramify/rootfs",
     ] {
         assert!(args.contains(&want), "agent args lack {want}: {args:?}");
     }
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.starts_with("--max-concurrent-restores")),
+        "derived from the cores unless set: {args:?}"
+    );
     assert_eq!(
         c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
         "spec.nodeName"
@@ -291,11 +310,122 @@ fn defaults_render_the_documented_deployment() {
         .collect();
     assert_eq!(
         host_paths,
-        ["/var/lib/ramify", "/run/netns", "/sys/fs/cgroup"]
+        [
+            "/var/lib/ramify",
+            "/var/lib/ramify-rootfs",
+            "/var/cache/ramify/rootfs",
+            "/run/netns",
+            "/sys/fs/cgroup"
+        ]
+    );
+    // The administrator's root filesystems are mounted read-only.
+    let root = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == "/var/lib/ramify-rootfs")
+        .expect("the rootfs root mounted");
+    assert_eq!(root["readOnly"], true);
+
+    // The agent's exec/log/diff endpoint: mTLS, announced as the pod IP, its
+    // certificate from a Secret (not a host path).
+    for want in [
+        "--endpoint-listen=0.0.0.0:8443",
+        "--endpoint-advertise=$(POD_IP)",
+        "--endpoint-cert=/etc/ramify/endpoint/tls.crt",
+        "--endpoint-key=/etc/ramify/endpoint/tls.key",
+        "--endpoint-client-ca=/etc/ramify/endpoint/ca.crt",
+    ] {
+        assert!(args.contains(&want), "agent args lack {want}: {args:?}");
+    }
+    assert_eq!(
+        c["env"][1]["valueFrom"]["fieldRef"]["fieldPath"],
+        "status.podIP"
+    );
+    let endpoint_tls = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "endpoint-tls")
+        .expect("endpoint-tls volume");
+    assert_eq!(
+        endpoint_tls["secret"]["secretName"],
+        "ramify-node-agent-tls"
     );
 
-    // Separate identities; tokens mounted only by the two pods that use the API.
-    for sa in ["ramify-operator", "ramify-node-agent"] {
+    // ramify-api: restricted like the operator, serving the APIService.
+    let api = find(&objs, "Deployment", "ramify-api");
+    let api_pod = &api["spec"]["template"]["spec"];
+    let ac = &api_pod["containers"][0];
+    let api_args = strings(&ac["args"]);
+    for want in [
+        "--listen=0.0.0.0:8443",
+        "--system-namespace=ramify-system",
+        "--agent-client-cert=/etc/ramify/tls/client.crt",
+        "--log-json",
+    ] {
+        assert!(
+            api_args.contains(&want),
+            "api args lack {want}: {api_args:?}"
+        );
+    }
+    assert_eq!(ac["image"], "ghcr.io/ramify-dev/api:0.1.0");
+    assert_eq!(ac["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(ac["securityContext"]["capabilities"]["drop"][0], "ALL");
+    assert_eq!(api_pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(ac["readinessProbe"]["httpGet"]["scheme"], "HTTPS");
+    assert_eq!(api_pod["serviceAccountName"], "ramify-api");
+    let apisvc = find(&objs, "APIService", "v1alpha1.subresources.ramify.dev");
+    assert_eq!(apisvc["spec"]["service"]["name"], "ramify-api");
+    assert_eq!(apisvc["spec"]["service"]["namespace"], "ramify-system");
+    assert!(apisvc["spec"]["insecureSkipTLSVerify"].is_null());
+    let ca_bundle = apisvc["spec"]["caBundle"].as_str().unwrap();
+    assert_eq!(
+        find(&objs, "Secret", "ramify-api-tls")["data"]["ca.crt"],
+        ca_bundle,
+        "the APIService trusts the CA that signed ramify-api's serving certificate"
+    );
+    // The CA's key is in a Secret no pod mounts.
+    for (kind, name) in [
+        ("Deployment", "ramify-api"),
+        ("Deployment", "ramify-operator"),
+        ("DaemonSet", "ramify-node-agent"),
+    ] {
+        let vols = find(&objs, kind, name)["spec"]["template"]["spec"]["volumes"].clone();
+        assert!(
+            !vols.to_string().contains("ramify-ca"),
+            "{name} mounts the CA: {vols}"
+        );
+    }
+
+    // User roles: aggregated into the built-in roles; exec/log/diff only in edit.
+    let edit = find(&objs, "ClusterRole", "ramify-edit");
+    let view = find(&objs, "ClusterRole", "ramify-view");
+    assert_eq!(
+        edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"],
+        "true"
+    );
+    assert_eq!(
+        view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"],
+        "true"
+    );
+    let grants = |role: &Value, group: &str| -> Vec<String> {
+        role["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| strings(&r["apiGroups"]).contains(&group))
+            .flat_map(|r| strings(&r["resources"]).into_iter().map(str::to_string))
+            .collect()
+    };
+    assert_eq!(
+        grants(edit, "subresources.ramify.dev"),
+        ["sandboxes/exec", "sandboxes/log", "sandboxes/diff"]
+    );
+    assert!(grants(view, "subresources.ramify.dev").is_empty());
+
+    // Separate identities; tokens mounted only by the pods that use the API.
+    for sa in ["ramify-operator", "ramify-node-agent", "ramify-api"] {
         assert_eq!(
             find(&objs, "ServiceAccount", sa)["automountServiceAccountToken"],
             false
@@ -331,6 +461,17 @@ fn defaults_render_the_documented_deployment() {
             }
         }
     }
+
+    // The agent's endpoint admits ramify-api only; ramify-api its HTTPS port only.
+    let np = find(&objs, "NetworkPolicy", "ramify-node-agent");
+    assert_eq!(np["spec"]["ingress"][1]["ports"][0]["port"], "endpoint");
+    assert_eq!(
+        np["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "api"
+    );
+    let np = find(&objs, "NetworkPolicy", "ramify-api");
+    assert_eq!(np["spec"]["ingress"][0]["ports"][0]["port"], "https");
+    assert_eq!(np["spec"]["ingress"].as_array().unwrap().len(), 1);
 
     // Metrics: two Services, two NetworkPolicies on the metrics port, no ServiceMonitor.
     for (name, port) in [
@@ -506,8 +647,9 @@ async fn rendered_chart_is_accepted_by_the_apiserver() {
     ns.delete().await.unwrap();
 }
 
-/// The operator's pod meets the "restricted" Pod Security Standard (checked by the API
-/// server's PodSecurity admission); the agent is, by necessity, "privileged".
+/// The operator's and ramify-api's pods meet the "restricted" Pod Security Standard
+/// (checked by the API server's PodSecurity admission); the agent is, by necessity,
+/// "privileged".
 #[tokio::test]
 async fn operator_meets_the_restricted_pod_security_standard() {
     let cp = control_plane().await;
@@ -531,12 +673,17 @@ async fn operator_meets_the_restricted_pod_security_standard() {
             Some(&rendered),
         )
     };
-    let out = apply("templates/operator-deployment.yaml");
-    assert!(
-        !out.stderr.contains("would violate PodSecurity"),
-        "the operator is not 'restricted':\n{}",
-        out.stderr
-    );
+    for (what, template) in [
+        ("the operator", "templates/operator-deployment.yaml"),
+        ("ramify-api", "templates/api-deployment.yaml"),
+    ] {
+        let out = apply(template);
+        assert!(
+            !out.stderr.contains("would violate PodSecurity"),
+            "{what} is not 'restricted':\n{}",
+            out.stderr
+        );
+    }
     let out = apply("templates/agent-daemonset.yaml");
     assert!(
         out.stderr.contains("would violate PodSecurity"),
@@ -562,6 +709,32 @@ fn can_i(cp: &ControlPlane, sa: &str, verb: &str, resource: &str, scope: &[&str]
         "no" => false,
         _ => panic!("kubectl {}: {}{}", args.join(" "), out.stdout, out.stderr),
     }
+}
+
+/// A SubjectAccessReview: may `user` do `verb` on `resource[/subresource]` (optionally
+/// the object `name`) of `group` in `namespace`?
+#[allow(clippy::too_many_arguments)]
+fn review(
+    cp: &ControlPlane,
+    user: &str,
+    verb: &str,
+    group: &str,
+    resource: &str,
+    subresource: &str,
+    name: &str,
+    namespace: &str,
+) -> bool {
+    let body = serde_json::json!({
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": user, "groups": ["system:authenticated"], "resourceAttributes": {
+            "verb": verb, "group": group, "resource": resource, "subresource": subresource,
+            "name": name, "namespace": namespace}}});
+    let out = kubectl_ok(
+        cp,
+        &["create", "-f", "-", "-o", "jsonpath={.status.allowed}"],
+        Some(&body.to_string()),
+    );
+    out.stdout.trim() == "true"
 }
 
 /// Uninstalls a release on drop (ignoring errors): the cleanup of a failed test.
@@ -611,6 +784,7 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
         "system:serviceaccount:{}:{release}-ramify-node-agent",
         ns.name
     );
+    let api = format!("system:serviceaccount:{}:{release}-ramify-api", ns.name);
     let all: &[&str] = &["--all-namespaces"];
     let here: &[&str] = &["-n", &ns.name];
     let other: &[&str] = &["-n", "default"];
@@ -635,6 +809,13 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
         (&agent, "patch", "sandboxes.ramify.dev/status", all, true),
         (&agent, "update", "snapshots.ramify.dev/status", all, true),
         (&agent, "get", "branchsets.ramify.dev", all, true),
+        // RootfsClasses are the administrator's: the agent reads them, nobody here writes.
+        (&agent, "watch", "rootfsclasses.ramify.dev", all, true),
+        (&agent, "get", "rootfsclasses.ramify.dev", all, true),
+        (&agent, "create", "rootfsclasses.ramify.dev", all, false),
+        (&agent, "patch", "rootfsclasses.ramify.dev", all, false),
+        (&op, "create", "rootfsclasses.ramify.dev", all, false),
+        (&op, "delete", "rootfsclasses.ramify.dev", all, false),
         (&agent, "create", "events.events.k8s.io", all, true),
         (&agent, "create", "sandboxes.ramify.dev", all, false),
         (&agent, "delete", "snapshots.ramify.dev", all, false),
@@ -643,6 +824,16 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
         (&agent, "update", "leases.coordination.k8s.io", here, true),
         (&agent, "list", "leases.coordination.k8s.io", here, false),
         (&agent, "create", "leases.coordination.k8s.io", other, false),
+        // ramify-api: finds a sandbox's node and its agent's endpoint; asks the
+        // authorizer about each caller; reads the front proxy's settings.
+        (&api, "get", "sandboxes.ramify.dev", all, true),
+        (&api, "list", "sandboxes.ramify.dev", all, false),
+        (&api, "patch", "sandboxes.ramify.dev", all, false),
+        (&api, "get", "snapshots.ramify.dev", all, false),
+        (&api, "create", "subjectaccessreviews.authorization.k8s.io", all, true),
+        (&api, "get", "leases.coordination.k8s.io", here, true),
+        (&api, "list", "leases.coordination.k8s.io", here, false),
+        (&api, "get", "leases.coordination.k8s.io", other, false),
     ];
     for (sa, verb, resource, scope, want) in cases {
         assert_eq!(
@@ -651,8 +842,8 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
             "{sa} {verb} {resource} {scope:?}"
         );
     }
-    // Neither holds anything sensitive, anywhere.
-    for sa in [&op, &agent] {
+    // None holds anything sensitive, anywhere.
+    for sa in [&op, &agent, &api] {
         for (verb, resource) in [
             ("get", "secrets"),
             ("list", "secrets"),
@@ -674,6 +865,91 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
             }
         }
     }
+
+    // Asked as SubjectAccessReviews (`kubectl auth can-i` can neither name one object
+    // of a kind nor a group whose discovery lists only subresources):
+    let sub = |user: &str, verb: &str, sub: &str, namespace: &str| {
+        review(
+            &cp,
+            user,
+            verb,
+            "subresources.ramify.dev",
+            "sandboxes",
+            sub,
+            "",
+            namespace,
+        )
+    };
+    // ramify-api reads the front proxy's ConfigMap, and no other.
+    for (name, want) in [
+        ("extension-apiserver-authentication", true),
+        ("kube-root-ca.crt", false),
+    ] {
+        assert_eq!(
+            review(&cp, &api, "get", "", "configmaps", "", name, "kube-system"),
+            want,
+            "ramify-api get configmap {name}"
+        );
+    }
+    // No component may use the subresources itself; a user bound to the release's
+    // ramify-edit in a namespace may, there only, and holds nothing in the release
+    // namespace. (Its aggregation into `edit` is tested for real in access.rs.)
+    for (sa, what) in [
+        (&op, "exec"),
+        (&agent, "exec"),
+        (&api, "exec"),
+        (&api, "log"),
+    ] {
+        assert!(
+            !sub(sa, "get", what, "default"),
+            "{sa} may get sandboxes/{what}"
+        );
+    }
+    let edit_role = format!("--clusterrole={release}-ramify-edit");
+    kubectl_ok(
+        &cp,
+        &[
+            "create",
+            "rolebinding",
+            "dana-edit",
+            "-n",
+            "default",
+            &edit_role,
+            "--user=dana",
+        ],
+        None,
+    );
+    for what in ["exec", "log", "diff"] {
+        assert!(
+            sub("dana", "get", what, "default"),
+            "edit lacks sandboxes/{what}"
+        );
+        assert!(
+            !sub("dana", "get", what, &ns.name),
+            "dana may {what} in {}",
+            ns.name
+        );
+    }
+    for (verb, resource, sub) in [
+        ("create", "pods", "exec"),
+        ("get", "pods", ""),
+        ("get", "leases", ""),
+    ] {
+        let group = if resource == "leases" {
+            "coordination.k8s.io"
+        } else {
+            ""
+        };
+        assert!(
+            !review(&cp, "dana", verb, group, resource, sub, "", &ns.name),
+            "dana may {verb} {resource}/{sub} in the release namespace"
+        );
+    }
+    kubectl_ok(
+        &cp,
+        &["delete", "rolebinding", "dana-edit", "-n", "default"],
+        None,
+    );
 
     let out = helm(&["uninstall", &release, "-n", &ns.name, "--wait"], kc);
     assert!(out.success, "helm uninstall failed:\n{}", out.stderr);

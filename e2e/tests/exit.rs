@@ -26,7 +26,7 @@ async fn a_sandbox_that_dies_says_why_in_status_and_an_event() {
     // A fork bomb under cpu 500m and a pids limit of 512: contained (the API server,
     // which shares this node, keeps answering while it goes off), stopped at the
     // limit, and says so.
-    sys.apply(&sys.sandbox_yaml(
+    sys.apply(&sys.sandbox_with(
         "bomb",
         "f() { f | f & }; f; sleep 1000",
         "{cpu: 500m, memory: 256Mi, pids: 512}",
@@ -69,8 +69,8 @@ async fn a_sandbox_that_dies_says_why_in_status_and_an_event() {
             .contains("512")
     );
 
-    sys.apply(&sys.sandbox_yaml("three", "sleep 1; exit 3", "{cpu: 500m, memory: 128Mi}"));
-    sys.apply(&sys.sandbox_yaml(
+    sys.apply(&sys.sandbox_with("three", "sleep 1; exit 3", "{cpu: 500m, memory: 128Mi}"));
+    sys.apply(&sys.sandbox_with(
         "hog",
         r#"a=x; while :; do a="$a$a"; done"#,
         "{cpu: 500m, memory: 256Mi}",

@@ -1,10 +1,16 @@
 //! The fault matrix: the node agent, the operator and the API server are each killed
-//! (SIGKILL) at each step of a BranchSet (snapshot, fork, verdict, commit) and brought
-//! back. After every fault: exactly one outcome (one winner committed once, or an end
-//! with a reason), the parent consistent with it, and nothing left on the node.
-//! The matrix is printed (step x component -> outcome).
+//! (SIGKILL) at each step of a BranchSet (snapshot, fork, verdict, commit, and the
+//! middle of a Full commit) and brought back. After every fault: exactly one outcome
+//! (one winner committed once, or an end with a reason), the parent consistent with it,
+//! and nothing left on the node. The matrix is printed (step x component -> outcome).
+//!
+//! Most steps are caught by polling the API. A step inside the node agent (the Full
+//! commit's swap: the winner recorded as the parent, the old parent not yet destroyed)
+//! is a fault hold point: the agent is started with `RAMIFY_FAULT_HOLD`, waits there
+//! until the test removes its marker file, and the victim is killed meanwhile.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kube::api::{Api, ListParams};
@@ -19,6 +25,19 @@ enum Step {
     Fork,
     Verdict,
     Commit,
+    /// Inside the agent's Full commit: the parent's record names the winner's sandbox,
+    /// the old parent sandbox is not destroyed yet.
+    FullCommitSwap,
+}
+
+impl Step {
+    /// The agent's fault hold point for a step no API observation can catch.
+    fn hold_point(self) -> Option<&'static str> {
+        match self {
+            Step::FullCommitSwap => Some(ramify_node_agent::fault::FULL_COMMIT_RECORDED),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,7 +67,10 @@ spec:
 "#;
 
 /// Whether the BranchSet has reached `step` (polled every 5 ms).
-async fn reached(sys: &System, step: Step) -> bool {
+async fn reached(sys: &System, step: Step, held: Option<&Path>) -> bool {
+    if let Some(marker) = held {
+        return marker.exists();
+    }
     let bs = match sys.branchsets().get_opt("faulty").await {
         Ok(Some(b)) => b,
         _ => return false,
@@ -77,17 +99,29 @@ async fn reached(sys: &System, step: Step) -> bool {
         }
         Step::Verdict => st.phase == BranchSetPhase::Running && st.winner.is_none(),
         Step::Commit => st.winner.is_some() && st.phase != BranchSetPhase::Committed,
+        Step::FullCommitSwap => false,
     }
 }
 
 async fn run_cell(step: Step, victim: Victim) -> String {
-    let mut sys = System::start("fault").await;
+    let fault_dir = std::env::temp_dir().join(format!("ramify-fault-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&fault_dir).unwrap();
+    let fault_dir_s = fault_dir.to_string_lossy().into_owned();
+    let held = step.hold_point().map(|p| fault_dir.join(p));
+    let agent_env: Vec<(&str, &str)> = match step.hold_point() {
+        Some(point) => vec![
+            ("RAMIFY_FAULT_HOLD", point),
+            ("RAMIFY_FAULT_DIR", fault_dir_s.as_str()),
+        ],
+        None => Vec::new(),
+    };
+    let mut sys = System::start_with("fault", &[], &agent_env).await;
     sys.running_workspace().await;
     sys.apply(BRANCHSET);
     let t0 = Instant::now();
     let mut hit = false;
     while t0.elapsed() < Duration::from_secs(60) {
-        if reached(&sys, step).await {
+        if reached(&sys, step, held.as_deref()).await {
             hit = true;
             break;
         }
@@ -104,9 +138,14 @@ async fn run_cell(step: Step, victim: Victim) -> String {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    if held.is_some() {
+        assert!(hit, "{step:?}: the agent never reached its hold point");
+    }
     match victim {
         Victim::NodeAgent => {
             sys.agent.kill().unwrap();
+            // The restarted agent must finish (or redo) the step on its own.
+            sys.agent.set_env("RAMIFY_FAULT_HOLD", None);
             sys.agent.start().unwrap();
         }
         Victim::Operator => {
@@ -119,6 +158,10 @@ async fn run_cell(step: Step, victim: Victim) -> String {
             sys.cp.kill_apiserver().unwrap();
             sys.cp.recover().unwrap();
         }
+    }
+    // A held agent that was not the victim goes on from its hold point.
+    if let Some(marker) = &held {
+        std::fs::remove_file(marker).ok();
     }
     let bs: BranchSet = sys
         .wait_branchset("faulty", "ended", 150, |b| {
@@ -164,6 +207,7 @@ async fn run_cell(step: Step, victim: Victim) -> String {
         }
     };
     sys.teardown_and_check_clean().await;
+    std::fs::remove_dir_all(&fault_dir).ok();
     format!(
         "{}{outcome}; node clean",
         if hit {
@@ -177,7 +221,18 @@ async fn run_cell(step: Step, victim: Victim) -> String {
 #[tokio::test]
 async fn every_component_killed_at_every_step_loses_nothing() {
     let mut rows = Vec::new();
-    for step in [Step::Snapshot, Step::Fork, Step::Verdict, Step::Commit] {
+    for step in [
+        Step::Snapshot,
+        Step::Fork,
+        Step::Verdict,
+        Step::Commit,
+        Step::FullCommitSwap,
+    ] {
+        // RAMIFY_FAULT_STEPS=fullcommitswap (or snapshot, ...) runs one row while debugging.
+        let steps = std::env::var("RAMIFY_FAULT_STEPS").unwrap_or_default();
+        if !steps.is_empty() && !format!("{step:?}").to_lowercase().contains(&steps) {
+            continue;
+        }
         // RAMIFY_FAULTS=apiserver (or agent, operator) runs one column while debugging.
         let only = std::env::var("RAMIFY_FAULTS").unwrap_or_default();
         for victim in [Victim::NodeAgent, Victim::Operator, Victim::ApiServer] {

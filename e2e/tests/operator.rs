@@ -185,7 +185,7 @@ async fn forked(client: &Client, ns: &str, bs: &str, n: usize) -> (Api<Sandbox>,
     if sandboxes.get_opt("parent").await.unwrap().is_none() {
         let parent = serde_json::from_value(json!({
             "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "parent"},
-            "spec": {"rootfs": {"path": "/r"}, "command": ["sh"]}}))
+            "spec": {"rootfs": {"class": "busybox"}, "command": ["sh"]}}))
         .unwrap();
         sandboxes
             .create(&PostParams::default(), &parent)

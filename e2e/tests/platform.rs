@@ -27,8 +27,8 @@ fn snapshot(name: &str, source: &str) -> String {
 
 fn restored(sys: &System, name: &str, snap: &str) -> String {
     format!(
-        "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  rootfs: {{path: {}}}\n  restoreFrom: {{snapshot: {snap}}}\n",
-        sys.rootfs.display()
+        "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  rootfs: {{class: {}}}\n  restoreFrom: {{snapshot: {snap}}}\n",
+        sys.rootfs_class
     )
 }
 
@@ -76,7 +76,7 @@ async fn the_platform_is_announced_recorded_and_checked_on_restore() {
         .lease_annotation(ANNOTATION_PLATFORM, 60, |_| true)
         .await;
     assert_eq!(p, "systrap");
-    sys.apply(&sys.sandbox_yaml("on-systrap", COUNTING, ""));
+    sys.apply(&sys.sandbox_with("on-systrap", COUNTING, ""));
     running(&sys, "on-systrap").await;
     counting_on(&sys, "on-systrap").await;
     sys.apply(&snapshot("snap-systrap", "on-systrap"));
@@ -107,7 +107,7 @@ async fn the_platform_is_announced_recorded_and_checked_on_restore() {
     counting_on(&sys, "on-systrap").await;
 
     // A ptrace image restores on systrap: its processes continue.
-    sys.apply(&sys.sandbox_yaml("on-ptrace", COUNTING, ""));
+    sys.apply(&sys.sandbox_with("on-ptrace", COUNTING, ""));
     running(&sys, "on-ptrace").await;
     counting_on(&sys, "on-ptrace").await;
     sys.apply(&snapshot("snap-ptrace", "on-ptrace"));

@@ -402,7 +402,7 @@ async fn a_branch_whose_snapshot_is_unusable_fails_and_never_starts_fresh() {
     // A branch of a snapshot that does not exist on any node.
     let bad: Sandbox = serde_json::from_value(serde_json::json!({
         "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "orphan-branch"},
-        "spec": {"rootfs": {"path": sys.rootfs}, "restoreFrom": {"snapshot": "never-captured"},
+        "spec": {"rootfs": {"class": sys.rootfs_class}, "restoreFrom": {"snapshot": "never-captured"},
                  "nodeName": sys.sandboxes().get("workspace").await.unwrap().status.unwrap().node_name}}))
     .unwrap();
     sys.sandboxes()
@@ -487,7 +487,6 @@ fn plugin(sys: &System, args: &[&str]) -> (i32, String, String) {
         .args(["-n", &sys.ns.name])
         .args(args)
         .env("KUBECONFIG", &sys.cp.kubeconfig)
-        .env("RAMIFY_AGENT_STATE_DIR", &sys.state_dir)
         .output()
         .unwrap();
     (
@@ -501,6 +500,8 @@ fn plugin(sys: &System, args: &[&str]) -> (i32, String, String) {
 async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
     let _serial = SERIAL.lock().await;
     let sys = System::start("plugin").await;
+    // exec and diff go through the aggregated API, as for any user.
+    let _api = sys.start_api();
     sys.running_workspace().await;
 
     // Clear errors and exit codes for wrong names and states.
@@ -779,5 +780,376 @@ spec:
     assert_eq!(seen.lock().unwrap().len(), 2, "no effect ran twice");
     let (code, _, _) = plugin(&sys, &["approve", "gated"]);
     assert_eq!(code, 4, "approving twice is a wrong state");
+    sys.teardown_and_check_clean().await;
+}
+
+/// Rounds of each commit race (`RAMIFY_RACE_ROUNDS` overrides; 20 by default).
+fn race_rounds() -> usize {
+    std::env::var("RAMIFY_RACE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20)
+}
+
+fn ended(b: &BranchSet) -> bool {
+    b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+}
+
+/// The Events about the object `name` in the test namespace: (reason, note).
+async fn events_about(sys: &System, name: &str) -> Vec<(String, String)> {
+    let api: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(sys.client.clone(), &sys.ns.name);
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+        .collect()
+}
+
+/// Waits until an Event about `name` has `reason` (Events go out after the status).
+async fn wait_event(sys: &System, name: &str, reason: &str, secs: u64) -> String {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some((_, note)) = events_about(sys, name)
+            .await
+            .into_iter()
+            .find(|(r, _)| r == reason)
+        {
+            return note;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {reason} Event about {name} within {secs}s: {:#?}\n{}",
+            events_about(sys, name).await,
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One branch `w` running `run`; `extra` is appended to the spec.
+fn one_branch(name: &str, source: &str, run: &str, extra: &str) -> String {
+    format!(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: {name}
+spec:
+  source: {source}
+  branches:
+    - name: w
+      run: ["/bin/sh", "-c", "{run}"]
+  timeoutSeconds: 120
+{extra}"#
+    )
+}
+
+/// Of two ended BranchSets, which committed and which ended in Conflict (panics
+/// unless exactly one of each), after checking what each says about it.
+async fn one_applied_one_conflict(sys: &System, names: &[String; 2]) -> (String, String) {
+    let mut committed = Vec::new();
+    let mut conflict = Vec::new();
+    for n in names {
+        let st = sys.branchsets().get(n).await.unwrap().status.unwrap();
+        match st.phase {
+            BranchSetPhase::Committed => committed.push(n.clone()),
+            BranchSetPhase::Conflict => {
+                let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+                assert_eq!(ready.reason, ramify_crds::REASON_COMMIT_CONFLICT, "{st:#?}");
+                assert!(
+                    st.commit.is_none(),
+                    "a refused commit reports nothing: {st:#?}"
+                );
+                let w = st.branches.iter().find(|b| b.name == "w").unwrap();
+                assert_eq!(w.phase, BranchPhase::Conflict, "{st:#?}");
+                assert!(w.reason.contains("since the fork point"), "{st:#?}");
+                conflict.push(n.clone());
+            }
+            other => panic!("{n} ended {other:?}: {st:#?}\n{}", sys.diagnostics()),
+        }
+    }
+    assert_eq!(
+        (committed.len(), conflict.len()),
+        (1, 1),
+        "exactly one commit applies, the other is a Conflict: committed {committed:?}, conflict {conflict:?}\n{}",
+        sys.diagnostics()
+    );
+    let (won, lost) = (committed.remove(0), conflict.remove(0));
+    let note = wait_event(sys, &lost, ramify_crds::REASON_COMMIT_CONFLICT, 30).await;
+    assert!(note.contains("refused"), "{note}");
+    assert!(
+        !events_about(sys, &lost)
+            .await
+            .iter()
+            .any(|(r, _)| r == "Committed"),
+        "nothing reports the refused commit Committed"
+    );
+    (won, lost)
+}
+
+async fn parent_status(sys: &System) -> ramify_crds::SandboxStatus {
+    sys.sandboxes()
+        .get("workspace")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+}
+
+#[tokio::test]
+async fn of_two_full_commits_from_one_fork_point_exactly_one_applies() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("race-full").await;
+    sys.running_workspace().await;
+    let mut applied: Vec<String> = Vec::new();
+    let rounds = race_rounds();
+    for round in 0..rounds {
+        let names = [format!("race-one-{round}"), format!("race-two-{round}")];
+        // Manual: both snapshot the workspace and reach a commit verdict before either
+        // is selected, so both fork from the same parent state.
+        for n in &names {
+            sys.apply(&one_branch(
+                n,
+                "{sandbox: workspace}",
+                &format!("echo from-{n} >> /work/log"),
+                "  policy: Manual\n  commit: {mode: Full}\n",
+            ));
+        }
+        for n in &names {
+            sys.wait_branchset(n, "its branch's verdict is commit", 120, |b| {
+                b.status.as_ref().is_some_and(|s| {
+                    s.branches
+                        .iter()
+                        .any(|br| br.name == "w" && br.phase == BranchPhase::Succeeded)
+                })
+            })
+            .await;
+        }
+        // Selected at once: the two commits race.
+        let select = |n: String| {
+            let api = sys.branchsets();
+            async move {
+                api.patch(
+                    &n,
+                    &kube::api::PatchParams::default(),
+                    &kube::api::Patch::Merge(serde_json::json!({"spec": {"selectedBranch": "w"}})),
+                )
+                .await
+                .unwrap();
+            }
+        };
+        tokio::join!(select(names[0].clone()), select(names[1].clone()));
+        for n in &names {
+            sys.wait_branchset(n, "ended", 120, ended).await;
+        }
+        let (won, lost) = one_applied_one_conflict(&sys, &names).await;
+        applied.push(won.clone());
+        // Both fork points were the same generation, the one this round started at.
+        let snaps: Api<ramify_crds::Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+        for n in &names {
+            let s = snaps
+                .get(&format!("{n}-base"))
+                .await
+                .unwrap()
+                .status
+                .unwrap();
+            assert_eq!(s.source_commit_generation, Some(round as i64), "{n}");
+        }
+        // The parent holds exactly the applied winner's change, every round's.
+        let parent = parent_status(&sys).await;
+        assert_eq!(parent.commits, round as i64 + 1, "{parent:#?}");
+        assert_eq!(parent.last_commit.unwrap().branch_set, won);
+        let log = sys.exec("workspace", "cat /work/log").1;
+        let want: Vec<String> = applied.iter().map(|n| format!("from-{n}")).collect();
+        assert_eq!(log, want.join("\n"), "round {round}");
+        println!("round {round}: {won} applied, {lost} Conflict");
+        for n in &names {
+            sys.branchsets()
+                .delete(n, &kube::api::DeleteParams::default())
+                .await
+                .unwrap();
+        }
+    }
+    println!("{rounds} of {rounds} rounds: exactly one Full commit applied");
+    sys.teardown_and_check_clean().await;
+}
+
+/// A Snapshot of the workspace, Ready: the one fork point of a round's two sets.
+async fn ready_snapshot(sys: &System, name: &str) -> i64 {
+    sys.apply(&format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: Snapshot\nmetadata: {{name: {name}}}\nspec: {{source: {{sandbox: workspace}}}}\n"
+    ));
+    let snaps: Api<ramify_crds::Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let s = sys
+        .wait_for(snaps, name, "Ready", 120, |s: &ramify_crds::Snapshot| {
+            s.status
+                .as_ref()
+                .is_some_and(|st| st.phase == ramify_crds::SnapshotPhase::Ready)
+        })
+        .await;
+    s.status.unwrap().source_commit_generation.unwrap()
+}
+
+/// Two Paths BranchSets from one snapshot race (first commit wins, no selection), each
+/// writing `/work/out/<file>`; returns their names once both ended.
+async fn paths_race(sys: &System, round: usize, files: [&str; 2]) -> [String; 2] {
+    let snap = format!("race-base-{round}");
+    let generation = ready_snapshot(sys, &snap).await;
+    assert_eq!(generation, parent_status(sys).await.commits);
+    let names = [format!("race-one-{round}"), format!("race-two-{round}")];
+    for (n, file) in names.iter().zip(files) {
+        sys.apply(&one_branch(
+            n,
+            &format!("{{snapshot: {snap}}}"),
+            &format!("mkdir -p /work/out && echo from-{n} > /work/out/{file}"),
+            "  commit: {mode: Paths, paths: [\"/work/out/**\"]}\n",
+        ));
+    }
+    for n in &names {
+        sys.wait_branchset(n, "ended", 120, ended).await;
+    }
+    names
+}
+
+async fn end_paths_round(sys: &System, round: usize, names: &[String; 2]) {
+    for n in names {
+        sys.branchsets()
+            .delete(n, &kube::api::DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    let snaps: Api<ramify_crds::Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    snaps
+        .delete(
+            &format!("race-base-{round}"),
+            &kube::api::DeleteParams::default(),
+        )
+        .await
+        .unwrap();
+}
+
+/// Rounds of two Paths commits racing from one fork point, each writing a file of its
+/// own (`shared` false: both must apply) or the same one (exactly one applies).
+async fn paths_race_rounds(system: &str, shared: bool) {
+    let sys = System::start(system).await;
+    sys.running_workspace().await;
+    let rounds = race_rounds();
+    for round in 0..rounds {
+        let before = parent_status(&sys).await.commits;
+        let files = if shared {
+            ["shared".to_string(), "shared".to_string()]
+        } else {
+            [format!("one-{round}"), format!("two-{round}")]
+        };
+        let names = paths_race(&sys, round, [&files[0], &files[1]]).await;
+        let parent = parent_status(&sys).await;
+        if shared {
+            let (won, lost) = one_applied_one_conflict(&sys, &names).await;
+            let why = sys.branchsets().get(&lost).await.unwrap().status.unwrap();
+            let why = &why
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .unwrap()
+                .message;
+            assert!(why.contains("/work/out/shared"), "{why}");
+            assert_eq!(parent.commits, before + 1);
+            assert_eq!(parent.last_commit.unwrap().branch_set, won);
+            assert_eq!(
+                sys.exec("workspace", "cat /work/out/shared").1,
+                format!("from-{won}")
+            );
+            println!("round {round}: {won} applied, {lost} Conflict");
+        } else {
+            for n in &names {
+                let st = sys.branchsets().get(n).await.unwrap().status.unwrap();
+                assert_eq!(
+                    st.phase,
+                    BranchSetPhase::Committed,
+                    "disjoint paths from one fork point both apply: {n} {st:#?}"
+                );
+            }
+            assert_eq!(parent.commits, before + 2);
+            for (n, file) in names.iter().zip(&files) {
+                assert_eq!(
+                    sys.exec("workspace", &format!("cat /work/out/{file}")).1,
+                    format!("from-{n}")
+                );
+            }
+            println!("round {round}: both applied");
+        }
+        end_paths_round(&sys, round, &names).await;
+    }
+    println!("{rounds} of {rounds} rounds passed (Paths, shared path: {shared})");
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn of_two_paths_commits_only_disjoint_paths_both_apply() {
+    let _serial = SERIAL.lock().await;
+    paths_race_rounds("race-paths", false).await;
+}
+
+#[tokio::test]
+async fn of_two_paths_commits_of_one_path_exactly_one_applies() {
+    let _serial = SERIAL.lock().await;
+    paths_race_rounds("race-paths-conflict", true).await;
+}
+
+#[tokio::test]
+async fn a_verdict_file_decides_while_the_run_command_still_runs() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("verdict-file").await;
+    sys.running_workspace().await;
+    let t0 = Instant::now();
+    sys.apply(&one_branch(
+        "early",
+        "{sandbox: workspace}",
+        "echo early > /work/app.conf && echo commit > /run/ramify/verdict && sleep 60",
+        "",
+    ));
+    // The run sleeps 60 s after its verdict: only a verdict seen while it runs commits
+    // within the deadline.
+    let bs = sys.wait_branchset("early", "ended", 10, ended).await;
+    let took = t0.elapsed();
+    println!("apply -> Committed with the run still sleeping: {took:?}");
+    let st = bs.status.unwrap();
+    assert_eq!(st.phase, BranchSetPhase::Committed, "{st:#?}");
+    let w = st.branches.iter().find(|b| b.name == "w").unwrap();
+    assert!(w.reason.contains("/run/ramify/verdict"), "{w:#?}");
+    assert_eq!(w.exit_code, None, "decided before the run exited");
+    assert_eq!(sys.exec("workspace", "cat /work/app.conf").1, "early");
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn the_committed_event_is_published_when_the_winner_has_effects() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("effects-event").await;
+    sys.running_workspace().await;
+    let (url, seen) = webhook_receiver().await;
+    sys.apply(&one_branch(
+        "notify",
+        "{sandbox: workspace}",
+        r#"echo '{\"kind\":\"notify\",\"payload\":{\"n\":1}}' > /run/ramify/effects/01-notify.json"#,
+        &format!("  effects:\n    executor: {{webhook: {{url: \"{url}\"}}}}\n"),
+    ));
+    sys.wait_branchset("notify", "its effect executed", 180, |b| {
+        b.status.as_ref().is_some_and(|s| {
+            s.phase == BranchSetPhase::Committed
+                && s.effects
+                    .iter()
+                    .any(|e| e.state == ramify_crds::EffectState::Executed)
+        })
+    })
+    .await;
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    // The reconcile that saw the commit also released the effect: its Committed
+    // Event must go out all the same.
+    let note = wait_event(&sys, "notify", "Committed", 30).await;
+    assert!(note.contains("branch w committed"), "{note}");
     sys.teardown_and_check_clean().await;
 }

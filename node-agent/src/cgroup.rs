@@ -108,6 +108,9 @@ pub fn remove(cgroups_path: &str) -> Result<()> {
         dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
         for d in dirs {
             // A task that was just SIGKILLed may still be leaving: retry EBUSY briefly.
+            // A frozen task never leaves (a freeze can race the kill: a loser frozen
+            // as its deletion kills it), so each retry thaws the sandbox and kills
+            // what is still in the cgroup.
             let mut tries = 0;
             loop {
                 match fs::remove_dir(&d) {
@@ -115,6 +118,9 @@ pub fn remove(cgroups_path: &str) -> Result<()> {
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
                     Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 100 => {
                         tries += 1;
+                        if tries % 5 == 1 {
+                            thaw_and_kill(cgroups_path, &d);
+                        }
                         std::thread::sleep(Duration::from_millis(10));
                     }
                     Err(e) => return Err(Error::io("remove cgroup", d, e)),
@@ -123,4 +129,23 @@ pub fn remove(cgroups_path: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Thaws the sandbox's freezer cgroup and SIGKILLs every task listed in `dir` (a
+/// cgroup being removed): what a frozen or half-killed sandbox needs to go.
+fn thaw_and_kill(cgroups_path: &str, dir: &Path) {
+    if freezer_state_path(cgroups_path).exists() {
+        let _ = thaw(cgroups_path);
+    }
+    for file in ["cgroup.procs", "tasks"] {
+        let Ok(list) = fs::read_to_string(dir.join(file)) else {
+            continue;
+        };
+        for pid in list.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
 }

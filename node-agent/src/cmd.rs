@@ -284,6 +284,15 @@ impl Cmd {
         })
     }
 
+    /// Start it with stdout and stderr piped to the caller, who reads them as they
+    /// come (a streamed exec) and reaps it; dropping the child kills it.
+    pub fn spawn(&self) -> Result<tokio::process::Child> {
+        self.build()?.spawn().map_err(|source| Error::Spawn {
+            command: self.display(),
+            source,
+        })
+    }
+
     /// Run and require exit code 0.
     pub async fn run(&self) -> Result<Output> {
         let out = self.output().await?;

@@ -266,6 +266,16 @@ fn read_in(d: &OpenDir, name: &str, max: u64) -> Result<Option<Vec<u8>>, Rejecte
     Ok(Some(buf))
 }
 
+/// The verdict alone, read as [`scan`] reads it (the effects are not looked at): cheap
+/// enough to poll while a command runs, and needing no lock on the sandbox. A file that
+/// is not a verdict is none here; [`scan`] reports it with the branch's outcome.
+pub fn read_verdict(dir: &Path) -> Option<Verdict> {
+    read_bounded(dir, VERDICT_FILE, MAX_VERDICT_BYTES)
+        .ok()
+        .flatten()
+        .and_then(|b| parse_verdict(&b).ok())
+}
+
 /// Most rejections recorded per scan (a hostile directory cannot grow the report).
 pub const MAX_REJECTED: usize = 64;
 
@@ -418,7 +428,7 @@ pub fn write_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
         let mut f = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o644)
+            .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
         f.write_all(&bytes)?;

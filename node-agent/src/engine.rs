@@ -16,14 +16,18 @@ use crate::diff::{self, Diff, Manifest};
 use crate::error::{Error, Result};
 use crate::placement::{Cidr, Placed, Placement, PlacementRequest};
 use crate::rootfs::RootfsSource;
+use crate::roots::{PinnedDir, RootfsConfig, RootfsPolicy};
 use crate::runsc::{NetworkMode, Runsc, RunscConfig, SandboxCtx};
 use crate::spec::{self, BundleParams, WorkloadSpec};
 use crate::store::{SnapshotMeta, SnapshotStore, now_ms};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Holds `sandboxes/`, `snapshots/` and `rootfs-cache/`.
+    /// Holds `sandboxes/` and `snapshots/`; private to the agent (0700).
     pub state_dir: PathBuf,
+    /// Where root filesystems may come from (and where OCI layouts are unpacked).
+    /// `state_dir` is always protected: no root may overlap it.
+    pub rootfs: RootfsConfig,
     /// Prefix of every sandbox id (and netns name); the owning process id follows it,
     /// so leftovers of a dead agent can be told from live sandboxes.
     pub id_prefix: String,
@@ -68,6 +72,10 @@ impl Sandbox {
     pub fn control_dir(&self) -> PathBuf {
         self.dir.join("control")
     }
+    /// Where the sandbox's root filesystem is bind-mounted (read-only) for runsc.
+    pub fn rootfs_mount(&self) -> PathBuf {
+        self.dir.join(ROOTFS_MOUNT)
+    }
     fn bundle_dir(&self) -> PathBuf {
         self.dir.join("bundle")
     }
@@ -77,6 +85,24 @@ impl Sandbox {
     pub fn ctx(&self) -> &SandboxCtx {
         &self.ctx
     }
+}
+
+/// What [`Engine::recover`] found under the state directory.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// Sandboxes whose record reads (and half-made ones, with a placeholder handle).
+    pub sandboxes: Vec<Sandbox>,
+    /// Sandbox directories whose record cannot be read.
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// A sandbox directory whose `sandbox.json` cannot be read or parsed.
+#[derive(Debug)]
+pub struct Unreadable {
+    pub path: PathBuf,
+    pub error: String,
+    /// Good enough for [`Engine::destroy`], nothing else.
+    pub handle: Sandbox,
 }
 
 /// Result of a snapshot.
@@ -97,6 +123,32 @@ pub struct CommitReport {
     pub skipped: Vec<String>,
 }
 
+/// A Paths commit as planned from the winner, before it touches the parent.
+#[derive(Debug, Clone)]
+pub struct PathsCommit {
+    /// What changed under the globs since the winner's restore.
+    pub diff: Diff,
+    /// Paths to copy (added and modified), sorted.
+    copy: Vec<String>,
+    /// The winner's manifest now: the tarball is checked against it.
+    now: Manifest,
+    skipped: Vec<String>,
+}
+
+impl PathsCommit {
+    /// Every path the commit writes or deletes in the parent.
+    pub fn paths(&self) -> Vec<String> {
+        let mut p: Vec<String> = self
+            .copy
+            .iter()
+            .cloned()
+            .chain(self.diff.deleted.iter().map(|c| c.path.clone()))
+            .collect();
+        p.sort();
+        p
+    }
+}
+
 /// Options for forking.
 #[derive(Debug, Clone, Default)]
 pub struct ForkOptions {
@@ -108,6 +160,7 @@ pub struct ForkOptions {
 
 struct Inner {
     cfg: EngineConfig,
+    rootfs: RootfsPolicy,
     runsc: Runsc,
     placement: Arc<dyn Placement>,
     store: SnapshotStore,
@@ -118,6 +171,8 @@ struct Inner {
     /// `restore` wrote or from `runsc state`: while that process lives, the sandbox
     /// runs (see [`Engine::is_running`]).
     sandbox_procs: Mutex<HashMap<String, (i32, u64)>>,
+    /// Cleanup steps that failed for good (see [`crate::cleanup`]).
+    cleanup_failures: crate::cleanup::CleanupFailures,
 }
 
 /// Cheap to clone; all clones share one engine.
@@ -145,21 +200,26 @@ impl Engine {
             }
         }
         let runsc = Runsc::detect(cfg.runsc.clone()).await?;
+        // Everything the engine and its processes create is the agent's alone.
+        crate::private::restrict_umask();
+        crate::private::dir_all(&cfg.state_dir)?;
         let store = SnapshotStore::open(cfg.state_dir.join("snapshots"))?;
-        for d in ["sandboxes", "rootfs-cache"] {
-            let p = cfg.state_dir.join(d);
-            std::fs::create_dir_all(&p).map_err(|e| Error::io("create", &p, e))?;
-        }
+        crate::private::dir_all(&cfg.state_dir.join("sandboxes"))?;
+        let mut protected = cfg.rootfs.protected.clone();
+        protected.push(cfg.state_dir.clone());
+        let rootfs = RootfsPolicy::open(&cfg.rootfs, &protected)?;
         info!(version = %runsc.version(), caps = ?runsc.caps(), "engine ready");
         Ok(Engine {
             inner: Arc::new(Inner {
                 cfg,
+                rootfs,
                 runsc,
                 placement,
                 store,
                 generation: AtomicU64::new(1),
                 issued: Mutex::new(Vec::new()),
                 sandbox_procs: Mutex::default(),
+                cleanup_failures: Default::default(),
             }),
         })
     }
@@ -174,6 +234,16 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.inner.cfg
+    }
+
+    /// Which directories may be a sandbox's root filesystem.
+    pub fn rootfs_policy(&self) -> &RootfsPolicy {
+        &self.inner.rootfs
+    }
+
+    /// Cleanup failures by step and error category (the agent exports them).
+    pub fn cleanup_failures(&self) -> &crate::cleanup::CleanupFailures {
+        &self.inner.cleanup_failures
     }
 
     fn new_id(&self) -> String {
@@ -279,21 +349,32 @@ impl Engine {
         Ok(())
     }
 
-    /// Create directories, placement, identity and bundle for a new sandbox id.
+    /// Create directories, placement, identity and bundle for a new sandbox id. The
+    /// bundle's root is a read-only bind mount of the pinned directory (the inode that
+    /// was checked), so nothing done to its path afterwards reaches the sandbox.
     async fn prepare(
         &self,
         name: &str,
         index: u32,
-        rootfs: PathBuf,
+        rootfs: PinnedDir,
         workload: WorkloadSpec,
         egress_allow: Vec<Cidr>,
         snapshot: Option<&str>,
     ) -> Result<Sandbox> {
         let id = self.new_id();
         let dir = self.inner.cfg.state_dir.join("sandboxes").join(&id);
-        std::fs::create_dir_all(dir.join("runsc-root"))
-            .map_err(|e| Error::io("create", &dir, e))?;
+        crate::private::dir_all(&dir.join("runsc-root"))?;
+        let mount = dir.join(ROOTFS_MOUNT);
+        let bound = std::fs::create_dir(&mount)
+            .map_err(|e| Error::io("create", &mount, e))
+            .and_then(|()| rootfs.bind_readonly(&mount));
+        if let Err(e) = bound {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        let rootfs = rootfs.path().to_path_buf();
         if let Err(e) = mount_control_dir(&dir.join("control")) {
+            crate::roots::unbind(&mount);
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
@@ -309,6 +390,7 @@ impl Engine {
             Ok(p) => p,
             Err(e) => {
                 unmount_control_dir(&dir.join("control"));
+                crate::roots::unbind(&mount);
                 let _ = std::fs::remove_dir_all(&dir);
                 return Err(e);
             }
@@ -351,7 +433,7 @@ impl Engine {
             let cfg = spec::oci_config(
                 &sb.workload,
                 &BundleParams {
-                    rootfs: &sb.rootfs,
+                    rootfs: &sb.rootfs_mount(),
                     control_dir: &sb.control_dir(),
                     netns: sb.placed.netns.as_deref(),
                     cgroups_path: &sb.placed.cgroups_path,
@@ -360,7 +442,7 @@ impl Engine {
             spec::write_bundle(&sb.bundle_dir(), &cfg).map(|_| ())
         })();
         if let Err(e) = written {
-            self.destroy(sb).await.ok();
+            self.destroy_or_report(sb, "preparing it failed").await;
             return Err(e);
         }
         Ok(sb)
@@ -370,10 +452,7 @@ impl Engine {
     #[instrument(skip(self, req), fields(name = %req.name))]
     pub async fn start(&self, req: StartRequest) -> Result<Sandbox> {
         req.workload.validate()?;
-        let rootfs = req
-            .rootfs
-            .resolve(&self.inner.cfg.state_dir.join("rootfs-cache"))
-            .await?;
+        let rootfs = req.rootfs.resolve(&self.inner.rootfs).await?;
         let sb = self
             .prepare(&req.name, 0, rootfs, req.workload, req.egress_allow, None)
             .await?;
@@ -388,7 +467,7 @@ impl Engine {
                 Ok(sb)
             }
             Err(e) => {
-                self.destroy(sb).await.ok();
+                self.destroy_or_report(sb, "its start failed").await;
                 Err(e)
             }
         }
@@ -487,7 +566,10 @@ impl Engine {
             }
             .await;
             if let Err(e) = resumed {
-                self.inner.store.remove(&snap_id).ok();
+                if let Err(r) = self.inner.store.remove(&snap_id) {
+                    warn!(snapshot = %snap_id, error = %r, "removing the image of a snapshot whose source did not resume");
+                    self.count_cleanup_failure("remove image", &r);
+                }
                 return Err(Error::Sandbox {
                     id: sb.id.clone(),
                     reason: format!(
@@ -513,7 +595,14 @@ impl Engine {
             capture_millis: checkpoint.as_millis() as u64,
             source_pause_millis: source_pause.as_millis() as u64,
         };
-        let meta = match self.inner.store.seal(meta) {
+        // Sealing hashes the whole image (seconds of CPU for a large one): on the
+        // blocking pool, not on an async worker.
+        let store = self.inner.store.clone();
+        let sealed = tokio::task::spawn_blocking(move || store.seal(meta))
+            .await
+            .map_err(|e| Error::Join(e.to_string()))
+            .and_then(|r| r);
+        let meta = match sealed {
             Ok(m) => m,
             Err(e) => return Err(self.capture_failed(&snap_id, e, "")),
         };
@@ -579,11 +668,14 @@ impl Engine {
             .iter()
             .map(|c| c.parse())
             .collect::<Result<_>>()?;
+        // Checked again: the snapshot names a path, and what is there now must still be
+        // inside an allowed root.
+        let rootfs = self.inner.rootfs.pin(&meta.rootfs)?;
         let mut sb = self
             .prepare(
                 name,
                 index,
-                meta.rootfs.clone(),
+                rootfs,
                 meta.workload.clone(),
                 egress,
                 Some(&meta.id),
@@ -598,7 +690,7 @@ impl Engine {
         }
         .await;
         if let Err(e) = restored {
-            self.destroy(sb).await.ok();
+            self.destroy_or_report(sb, "its restore failed").await;
             return Err(e);
         }
         if let Some(host) = sb.identity.hostname.clone()
@@ -610,7 +702,8 @@ impl Engine {
             sb.identity.hostname = None;
             if let Err(e) = control::write_identity(&sb.control_dir(), &sb.identity) {
                 let e = Error::io("write identity", sb.control_dir(), e);
-                self.destroy(sb).await.ok();
+                self.destroy_or_report(sb, "writing its identity failed")
+                    .await;
                 return Err(e);
             }
         }
@@ -621,7 +714,8 @@ impl Engine {
                     sb.tracked_roots = roots;
                 }
                 Err(e) => {
-                    self.destroy(sb).await.ok();
+                    self.destroy_or_report(sb, "recording its tracked files failed")
+                        .await;
                     return Err(e);
                 }
             }
@@ -660,7 +754,8 @@ impl Engine {
         }
         if let Some(e) = first_err {
             for sb in ok {
-                self.destroy(sb).await.ok();
+                self.destroy_or_report(sb, "a sibling's restore failed (a fork is all or nothing)")
+                    .await;
             }
             return Err(e);
         }
@@ -690,6 +785,18 @@ impl Engine {
         winner: &Sandbox,
         globs: &[String],
     ) -> Result<CommitReport> {
+        let plan = self.plan_paths_commit(winner, globs).await?;
+        self.apply_paths_commit(parent, winner, plan).await
+    }
+
+    /// The first step of a Paths commit, touching only the winner: what it changed
+    /// under `globs` since its restore. The caller may refuse it (the agent checks the
+    /// paths against the parent's commits since the fork point) before applying it.
+    pub async fn plan_paths_commit(
+        &self,
+        winner: &Sandbox,
+        globs: &[String],
+    ) -> Result<PathsCommit> {
         let baseline = winner.baseline.as_ref().ok_or_else(|| {
             Error::Invalid(format!(
                 "branch {} was not forked with tracked paths; no baseline to diff against",
@@ -728,6 +835,27 @@ impl Engine {
         {
             return Err(Error::Invalid(format!("refusing to commit path {p:?}")));
         }
+        Ok(PathsCommit {
+            diff: d,
+            copy,
+            now,
+            skipped,
+        })
+    }
+
+    /// Applies a planned Paths commit into the parent, all or nothing.
+    pub async fn apply_paths_commit(
+        &self,
+        parent: &Sandbox,
+        winner: &Sandbox,
+        plan: PathsCommit,
+    ) -> Result<CommitReport> {
+        let PathsCommit {
+            diff: d,
+            copy,
+            now,
+            skipped,
+        } = plan;
         // Never write or delete through a symlink of the parent: a path whose ancestor
         // (or itself) is a symlink in the parent would land outside the allowlist.
         let touched: Vec<String> = copy
@@ -881,6 +1009,16 @@ impl Engine {
     /// a fresh identity); the old parent sandbox is torn down.
     #[instrument(skip(self, parent, winner), fields(parent = %parent.id, winner = %winner.id))]
     pub async fn commit_full(&self, parent: &mut Sandbox, mut winner: Sandbox) -> Result<()> {
+        self.adopt_as_parent(parent, &mut winner)?;
+        let old = std::mem::replace(parent, winner);
+        self.destroy(old).await
+    }
+
+    /// The first step of a Full commit, touching only the winner: it takes the
+    /// parent's name and index with a fresh identity, and its control outputs
+    /// (verdict, effects) are cleared. Repeatable; the caller records the swap, then
+    /// destroys the old parent (the agent does so in that order, to survive a crash).
+    pub fn adopt_as_parent(&self, parent: &Sandbox, winner: &mut Sandbox) -> Result<()> {
         winner.name = parent.name.clone();
         winner.identity = self.next_identity(
             &parent.name,
@@ -891,9 +1029,7 @@ impl Engine {
         control::write_identity(&winner.control_dir(), &winner.identity)
             .map_err(|e| Error::io("write identity", winner.control_dir(), e))?;
         control::clear_outputs(&winner.control_dir())
-            .map_err(|e| Error::io("clear control dir", winner.control_dir(), e))?;
-        let old = std::mem::replace(parent, winner);
-        self.destroy(old).await
+            .map_err(|e| Error::io("clear control dir", winner.control_dir(), e))
     }
 
     /// Abort: kill and remove everything a sandbox owns (processes, runsc state,
@@ -901,16 +1037,38 @@ impl Engine {
     /// the first error.
     #[instrument(skip(self, sb), fields(id = %sb.id))]
     pub async fn destroy(&self, sb: Sandbox) -> Result<()> {
+        self.teardown(&sb).await
+    }
+
+    /// What [`Engine::destroy`] does, on a sandbox still held: every step tolerates
+    /// what an earlier attempt already removed, so it can be run again after a failure.
+    pub(crate) async fn teardown(&self, sb: &Sandbox) -> Result<()> {
         self.forget_proc(&sb.id);
         let mut first: Option<Error> = None;
         // A frozen task cannot die: thaw first (no-op if not frozen or not created).
-        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists() {
-            cgroup::thaw(&sb.placed.cgroups_path).ok();
+        if cgroup::freezer_state_path(&sb.placed.cgroups_path).exists()
+            && let Err(e) = cgroup::thaw(&sb.placed.cgroups_path)
+        {
+            // The kill below reports what a frozen task kept alive.
+            warn!(id = %sb.id, error = %e, "thaw before destroy failed");
         }
         // SIGKILL the sandbox, gofer and any runsc command of this sandbox directly
         // (their command lines carry the per-sandbox --root): `runsc kill` + `delete`
         // cost over a second of polling per sandbox and add nothing once they are dead.
-        kill_processes_mentioning(&sb.ctx.root.to_string_lossy()).await;
+        match crate::reaper::reap_sandbox(&sb.ctx.root.to_string_lossy(), &sb.placed.cgroups_path)
+            .await
+        {
+            Ok(r) if r.left.is_empty() => {}
+            Ok(r) => {
+                first.get_or_insert(Error::Sandbox {
+                    id: sb.id.clone(),
+                    reason: format!("processes {:?} survived SIGKILL", r.left),
+                });
+            }
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
         if let Err(e) = std::fs::remove_dir_all(&sb.ctx.root)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -926,10 +1084,19 @@ impl Engine {
             warn!(error = %e, "cgroup removal");
             first.get_or_insert(e);
         }
-        if let Err(e) = self.inner.placement.release(&sb.placed).await {
+        let released = if crate::fault::fail_once(crate::fault::RELEASE_FAILS) {
+            Err(Error::Sandbox {
+                id: sb.id.clone(),
+                reason: "its network release failed (fault point)".into(),
+            })
+        } else {
+            self.inner.placement.release(&sb.placed).await
+        };
+        if let Err(e) = released {
             first.get_or_insert(e);
         }
         unmount_control_dir(&sb.control_dir());
+        crate::roots::unbind(&sb.rootfs_mount());
         if let Err(e) = std::fs::remove_dir_all(&sb.dir)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -987,36 +1154,48 @@ impl Engine {
     /// Records a sandbox in its directory (`sandbox.json`, written atomically) so a
     /// restarted agent can re-adopt it.
     pub fn persist(&self, sb: &Sandbox) -> Result<()> {
-        let path = sb.dir.join("sandbox.json");
-        let tmp = sb.dir.join(".sandbox.json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(sb)?)
-            .map_err(|e| Error::io("write", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))
+        crate::private::write_atomic(
+            &sb.dir.join("sandbox.json"),
+            &serde_json::to_vec_pretty(sb)?,
+        )
     }
 
     /// Every sandbox recorded with [`Engine::persist`] under this state directory,
-    /// whether it still runs or not (ask [`Engine::is_running`]).
-    pub async fn recover(&self) -> Result<Vec<Sandbox>> {
+    /// whether it still runs or not (ask [`Engine::is_running`]); a directory whose
+    /// record does not parse is listed apart (reported, and destroyed: it cannot be
+    /// re-adopted), never silently skipped.
+    pub async fn recover(&self) -> Result<Recovered> {
         let dir = self.inner.cfg.state_dir.join("sandboxes");
-        let mut out = Vec::new();
+        let mut out = Recovered::default();
         let rd = match std::fs::read_dir(&dir) {
             Ok(rd) => rd,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
             Err(e) => return Err(Error::io("read", &dir, e)),
         };
-        for entry in rd.flatten() {
+        for entry in rd {
+            let entry = entry.map_err(|e| Error::io("read", &dir, e))?;
             let path = entry.path().join("sandbox.json");
             match std::fs::read(&path) {
                 Ok(bytes) => match serde_json::from_slice::<Sandbox>(&bytes) {
-                    Ok(sb) => out.push(sb),
+                    Ok(sb) => out.sandboxes.push(sb),
                     Err(e) => {
-                        warn!(path = %path.display(), error = %e, "unreadable sandbox record")
+                        warn!(path = %path.display(), error = %e, "unreadable sandbox record");
+                        out.unreadable.push(Unreadable {
+                            path,
+                            error: e.to_string(),
+                            handle: self.placeholder(&entry.path()),
+                        });
                     }
                 },
-                Err(_) => {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     // A directory without a record: a sandbox that died half-made.
-                    out.push(self.placeholder(&entry.path()));
+                    out.sandboxes.push(self.placeholder(&entry.path()));
                 }
+                Err(e) => out.unreadable.push(Unreadable {
+                    path,
+                    error: e.to_string(),
+                    handle: self.placeholder(&entry.path()),
+                }),
             }
         }
         Ok(out)
@@ -1192,6 +1371,12 @@ impl Engine {
             .await
     }
 
+    /// A `runsc exec` of `argv` in the sandbox with its workload's environment, not
+    /// started: the node endpoint streams its output as it comes.
+    pub fn exec_command(&self, sb: &Sandbox, argv: &[String]) -> Result<crate::cmd::Cmd> {
+        self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)
+    }
+
     /// Files changed under `globs` since the branch was restored (needs a baseline:
     /// the branch must have been forked with those globs tracked).
     pub async fn diff_since_restore(&self, sb: &Sandbox, globs: &[String]) -> Result<Diff> {
@@ -1213,7 +1398,24 @@ impl Engine {
 
     /// Start a warm pool of `size` frozen branches of `snapshot`.
     pub fn warm_pool(&self, snapshot: &str, size: usize) -> WarmPool {
-        WarmPool::start(self.clone(), snapshot.to_string(), size)
+        WarmPool::start(self.clone(), snapshot.to_string(), size, None)
+    }
+
+    /// [`Engine::warm_pool`] whose refills each wait for a place in `gate` (the
+    /// node's restore concurrency), queued as `group`.
+    pub fn warm_pool_gated(
+        &self,
+        snapshot: &str,
+        size: usize,
+        gate: Arc<crate::capacity::FairGate>,
+        group: String,
+    ) -> WarmPool {
+        WarmPool::start(
+            self.clone(),
+            snapshot.to_string(),
+            size,
+            Some((gate, group)),
+        )
     }
 }
 
@@ -1227,12 +1429,15 @@ pub const CONTROL_QUOTA_BYTES: u64 =
 /// Files and directories the control directory may hold.
 pub const CONTROL_QUOTA_INODES: u64 = 4 * control::MAX_EFFECTS as u64;
 
+/// Name of the rootfs bind mount in a sandbox directory.
+const ROOTFS_MOUNT: &str = "rootfs";
+
 /// Mounts the size- and inode-limited tmpfs a sandbox's control directory lives on (a
 /// hostile workload cannot fill the node's disk through `/run/ramify`).
 fn mount_control_dir(dir: &Path) -> Result<()> {
     use nix::mount::{MsFlags, mount};
-    std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
-    let opts = format!("size={CONTROL_QUOTA_BYTES},nr_inodes={CONTROL_QUOTA_INODES},mode=0755");
+    crate::private::dir_all(dir)?;
+    let opts = format!("size={CONTROL_QUOTA_BYTES},nr_inodes={CONTROL_QUOTA_INODES},mode=0700");
     mount(
         Some("ramify-control"),
         dir,
@@ -1385,7 +1590,11 @@ fn out_of_space(e: &Error) -> bool {
 /// Drop the record of a container whose sandbox has exited (after checkpoint).
 async fn forget_stopped(runsc: &Runsc, ctx: &SandboxCtx) -> Result<()> {
     let root = ctx.root.to_string_lossy().into_owned();
-    if !pids_mentioning(&root).is_empty() {
+    // A scan of every process's command line: on the blocking pool.
+    let alive = tokio::task::spawn_blocking(move || !pids_mentioning(&root).is_empty())
+        .await
+        .map_err(|e| Error::Join(e.to_string()))?;
+    if alive {
         return runsc.delete_force(ctx).await;
     }
     let rd =
@@ -1397,24 +1606,11 @@ async fn forget_stopped(runsc: &Runsc, ctx: &SandboxCtx) -> Result<()> {
     Ok(())
 }
 
-async fn kill_processes_mentioning(needle: &str) {
-    for _ in 0..50 {
-        let pids = pids_mentioning(needle);
-        if pids.is_empty() {
-            return;
-        }
-        for pid in pids {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Bytes of a workload command's stdout and stderr the agent keeps (the tail).
 pub const RUN_OUTPUT_TAIL: usize = 64 << 10;
+
+/// The restore gate a warm pool's refills queue in, and their group there.
+type RefillGate = (Arc<crate::capacity::FairGate>, String);
 
 /// How long claims must pause before a warm pool refills.
 const REFILL_SETTLE: Duration = Duration::from_millis(300);
@@ -1426,8 +1622,9 @@ pub struct WarmPool {
     snapshot: String,
     size: usize,
     shared: Arc<PoolShared>,
-    /// Refill task; None once closed.
-    task: Option<tokio::task::JoinHandle<()>>,
+    /// Refill task; None once closed. Behind a lock so that `close` takes `&self`: a
+    /// pool shared with claimers in flight can be closed without waiting for them.
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 struct PoolShared {
@@ -1449,7 +1646,7 @@ struct PoolState {
 }
 
 impl WarmPool {
-    fn start(engine: Engine, snapshot: String, size: usize) -> Self {
+    fn start(engine: Engine, snapshot: String, size: usize, gate: Option<RefillGate>) -> Self {
         let shared = Arc::new(PoolShared {
             state: Mutex::new(PoolState::default()),
             refill: Notify::new(),
@@ -1460,17 +1657,24 @@ impl WarmPool {
             snapshot.clone(),
             size,
             shared.clone(),
+            gate,
         ));
         WarmPool {
             engine,
             snapshot,
             size,
             shared,
-            task: Some(task),
+            task: Mutex::new(Some(task)),
         }
     }
 
-    async fn refill_loop(engine: Engine, snapshot: String, size: usize, shared: Arc<PoolShared>) {
+    async fn refill_loop(
+        engine: Engine,
+        snapshot: String,
+        size: usize,
+        shared: Arc<PoolShared>,
+        gate: Option<RefillGate>,
+    ) {
         let mut index: u32 = 0;
         loop {
             let (have, closed) = match shared.state.lock() {
@@ -1492,13 +1696,34 @@ impl WarmPool {
                 {}
                 continue;
             }
+            // Wait for a restore slot; a close (or claim) meanwhile gives it up and
+            // looks again.
+            let _slot = match &gate {
+                Some((g, group)) => {
+                    let key = format!("{group}#{index}");
+                    let acquired = tokio::select! {
+                        p = g.acquire(&key, group, (0, String::new()), crate::capacity::ONE_RESTORE) => Some(p),
+                        () = shared.refill.notified() => None,
+                    };
+                    match acquired {
+                        Some(p) => Some(p),
+                        None => {
+                            g.leave(&key);
+                            continue;
+                        }
+                    }
+                }
+                None => None,
+            };
             let made = async {
                 let (meta, img) = engine.verified_image(&snapshot).await?;
                 let sb = engine
                     .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[])
                     .await?;
                 if let Err(e) = cgroup::freeze(&sb.placed.cgroups_path).await {
-                    engine.destroy(sb).await.ok();
+                    engine
+                        .destroy_or_report(sb, "freezing it for the warm pool failed")
+                        .await;
                     return Err(e);
                 }
                 Ok::<_, Error>(sb)
@@ -1518,7 +1743,9 @@ impl WarmPool {
                         }
                     }
                     if let Some(sb) = leftover {
-                        engine.destroy(sb).await.ok();
+                        engine
+                            .destroy_or_report(sb, "its warm pool was closed while it was restored")
+                            .await;
                         return;
                     }
                     shared.ready.notify_waiters();
@@ -1602,13 +1829,21 @@ impl WarmPool {
         let deadline = Instant::now() + timeout;
         loop {
             let notified = self.shared.ready.notified();
-            let got = self
-                .shared
-                .state
-                .lock()
-                .map_err(|_| Error::Join("pool lock poisoned".into()))?
-                .ready
-                .pop_front();
+            let got = {
+                let mut s = self
+                    .shared
+                    .state
+                    .lock()
+                    .map_err(|_| Error::Join("pool lock poisoned".into()))?;
+                if s.closed {
+                    // Closed while this claim waited: nothing will come.
+                    return Err(Error::Snapshot {
+                        id: self.snapshot.clone(),
+                        reason: "warm pool closed".into(),
+                    });
+                }
+                s.ready.pop_front()
+            };
             if let Some(mut sb) = got {
                 self.shared.refill.notify_one();
                 sb.name = name.to_string();
@@ -1622,7 +1857,9 @@ impl WarmPool {
                     .map_err(|e| Error::io("write identity", sb.control_dir(), e))
                     .and_then(|()| cgroup::thaw(&sb.placed.cgroups_path));
                 if let Err(e) = r {
-                    self.engine.destroy(sb).await.ok();
+                    self.engine
+                        .destroy_or_report(sb, "handing it out of the warm pool failed")
+                        .await;
                     return Err(e);
                 }
                 return Ok(sb);
@@ -1638,7 +1875,7 @@ impl WarmPool {
     }
 
     /// Stop refilling and destroy every frozen branch.
-    pub async fn close(mut self) -> Result<()> {
+    pub async fn close(&self) -> Result<()> {
         let drained: Vec<Sandbox> = match self.shared.state.lock() {
             Ok(mut s) => {
                 s.closed = true;
@@ -1648,8 +1885,11 @@ impl WarmPool {
         };
         self.shared.refill.notify_one();
         // Let an in-flight restore finish so it is destroyed, not leaked.
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
+        let task = self.task.lock().ok().and_then(|mut t| t.take());
+        if let Some(task) = task
+            && let Err(e) = task.await
+        {
+            warn!(error = %e, snapshot = %self.snapshot, "warm pool refill task failed");
         }
         let mut first = None;
         for sb in drained {
@@ -1678,7 +1918,8 @@ impl Drop for WarmPool {
     /// sees `closed` and destroys an in-flight branch itself; ready ones are destroyed
     /// on the runtime if there is one (otherwise the orphan sweep gets them).
     fn drop(&mut self) {
-        if self.task.take().is_none() {
+        let task = self.task.get_mut().ok().and_then(Option::take);
+        if task.is_none() {
             return;
         }
         let drained: Vec<Sandbox> = match self.shared.state.lock() {

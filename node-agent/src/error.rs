@@ -70,6 +70,11 @@ pub enum Error {
     Network(String),
     #[error("rootfs: {0}")]
     Rootfs(String),
+    /// A root filesystem outside what the node's administrator allowed (not inside a
+    /// `--rootfs-root`, escaping one through a symlink or `..`, or overlapping the
+    /// agent's own state). Never retried: the sandbox does not start.
+    #[error("rootfs refused: {0}")]
+    RootfsRefused(String),
     #[error("sandbox {id}: {reason}")]
     Sandbox { id: String, reason: String },
     #[error("invalid request: {0}")]
@@ -83,12 +88,54 @@ pub enum Error {
 }
 
 impl Error {
+    /// A short, stable label: the `error` of `reconcile_failures` and
+    /// `cleanup_failures`, and (CamelCase) the reason of a reported failure.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::Command { .. } | Error::Spawn { .. } | Error::RunscOutput(_) => "runsc",
+            Error::Timeout { .. } => "timeout",
+            Error::OutputTooLarge { .. } => "output_too_large",
+            Error::Io { .. } => "io",
+            Error::MissingTool(_) => "missing_tool",
+            Error::Unsupported { .. } => "unsupported",
+            Error::Snapshot { .. } => "snapshot",
+            Error::VersionMismatch { .. } => "version_mismatch",
+            Error::PlatformMismatch { .. } => "platform_mismatch",
+            Error::CorruptImage { .. } => "corrupt_image",
+            Error::Network(_) => "network",
+            Error::Rootfs(_) => "rootfs",
+            Error::RootfsRefused(_) => "rootfs_refused",
+            Error::Sandbox { .. } => "sandbox",
+            Error::Invalid(_) => "invalid",
+            Error::Json(_) => "serialization",
+            Error::Join(_) => "task",
+            Error::Kube(e) => ramify_runtime::backoff::kube_category(e).unwrap_or("kube_api"),
+        }
+    }
+
+    /// Whether no retry can fix it (see [`ramify_runtime::backoff::is_permanent`]).
+    /// The engine's own refusals (`Invalid`) are not: they concern live sandboxes,
+    /// which change under it (a file the workload rewrites while a Paths commit packs
+    /// it fails the tarball check once and passes on a retry), so they back off.
+    pub fn is_permanent(&self) -> bool {
+        !matches!(self, Error::Invalid(_)) && ramify_runtime::backoff::is_permanent(self.category())
+    }
+
     pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             what,
             path: path.into(),
             source,
         }
+    }
+}
+
+impl ramify_runtime::settle::Classified for Error {
+    fn category(&self) -> &'static str {
+        Error::category(self)
+    }
+    fn is_permanent(&self) -> bool {
+        Error::is_permanent(self)
     }
 }
 

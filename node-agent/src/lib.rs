@@ -7,24 +7,35 @@
 //! - [`store`]: snapshot images with sha256, version pinning and TTL.
 //! - [`platform`]: the gVisor platform (`auto` probes systrap) and which images restore where.
 //! - [`exit_reason`]: why a sandbox ended (exit code, signal, out-of-memory, pids limit).
+//! - [`capacity`]: the sandbox allocatable, its ceiling cgroup, fair admission gates.
+//! - [`freezer`]: who freezes and thaws a sandbox (decided branches, a look into one).
 
 pub mod agent;
+pub mod capacity;
 pub mod cgroup;
+pub mod cleanup;
 pub mod cmd;
 pub mod control;
 pub mod diff;
 pub mod engine;
 pub mod error;
 pub mod exit_reason;
+pub mod fault;
+pub mod freezer;
 pub mod placement;
 pub mod platform;
+pub mod private;
+pub mod reaper;
 pub mod rootfs;
+pub mod roots;
 pub mod runsc;
+pub mod settings;
 pub mod spec;
 pub mod store;
 pub mod sweep;
 
 pub use engine::{
-    CommitReport, Engine, EngineConfig, ForkOptions, Sandbox, SnapshotInfo, StartRequest, WarmPool,
+    CommitReport, Engine, EngineConfig, ForkOptions, Recovered, Sandbox, SnapshotInfo,
+    StartRequest, Unreadable, WarmPool,
 };
 pub use error::{Error, Result};

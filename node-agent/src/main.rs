@@ -1,7 +1,8 @@
 //! `ramify-node-agent`: `run` is the node agent (watches the ramify objects bound to this
 //! node and does the runsc work); the other subcommands act on a node's local state
-//! (`exec`, `logs`, `diff` into a sandbox, `rootfs` to prepare a test rootfs, `cleanup`)
-//! and are what `kubectl ramify exec|logs|diff` calls on the node.
+//! (`exec`, `logs`, `diff` into a sandbox for a node administrator, `rootfs` to prepare
+//! a test rootfs, `cleanup`). Users reach exec, logs and diff through the aggregated
+//! API (`ramify-api`), which calls the agent's mTLS endpoint (`--endpoint-listen`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -10,12 +11,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use ramify_crds::capacity::Requests;
+use ramify_node_agent::agent::endpoint::{Endpoint, EndpointConfig, local_sandbox};
 use ramify_node_agent::agent::lease::{self, Announcement};
 use ramify_node_agent::agent::metrics::AgentMetrics;
 use ramify_node_agent::agent::registry::Registry;
 use ramify_node_agent::agent::{self, Agent, AgentConfig};
+use ramify_node_agent::capacity as cap;
+use ramify_node_agent::freezer::Look;
 use ramify_node_agent::placement::{Standalone, StandaloneConfig};
+use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{Runsc, RunscConfig};
+use ramify_node_agent::settings::{
+    self, AgentSettings, DEFAULT_CGROUP_PARENT, DEFAULT_ROOTFS_CACHE,
+};
 use ramify_node_agent::store::SnapshotStore;
 use ramify_node_agent::{Engine, EngineConfig};
 use tracing::{error, info};
@@ -43,6 +52,85 @@ struct StateArgs {
         default_value = "/var/lib/ramify/agent"
     )]
     state_dir: PathBuf,
+}
+
+/// What sandboxes may hold of this node, and how many restore at once.
+#[derive(clap::Args, Clone)]
+struct CapacityArgs {
+    /// CPU kept from sandboxes for the system, the agent and (on the embedded
+    /// default) the control plane. Sandbox allocatable = cores - this.
+    #[arg(long, env = "RAMIFY_RESERVE_CPU", default_value = "400m", value_parser = parse_cpu)]
+    reserve_cpu: u64,
+    /// Memory kept from sandboxes. Sandbox allocatable = MemTotal - this.
+    #[arg(long, env = "RAMIFY_RESERVE_MEMORY", default_value = "2Gi", value_parser = parse_memory)]
+    reserve_memory: u64,
+    /// Sandbox allocatable CPU to announce instead of cores - reserve (for a
+    /// benchmark that measures forks, not admission; it may exceed the node).
+    #[arg(long, value_parser = parse_cpu)]
+    allocatable_cpu: Option<u64>,
+    /// Sandbox allocatable memory to announce instead of MemTotal - reserve.
+    #[arg(long, value_parser = parse_memory)]
+    allocatable_memory: Option<u64>,
+    /// Restores (and fresh starts) run at once; the rest queue, fairly across
+    /// BranchSets. Default: half the cores, at least 1.
+    #[arg(long, env = "RAMIFY_MAX_CONCURRENT_RESTORES")]
+    max_concurrent_restores: Option<usize>,
+}
+
+/// The node endpoint that serves exec, log and diff to `ramify-api` (mutual TLS).
+#[derive(clap::Args, Clone)]
+struct EndpointArgs {
+    /// Address of the node endpoint (port 0: any free port; the Lease announces the
+    /// one taken). Unset: no endpoint (exec, logs and diff only on the node itself).
+    #[arg(long, env = "RAMIFY_ENDPOINT_LISTEN", requires_all = ["endpoint_cert", "endpoint_key", "endpoint_client_ca"])]
+    endpoint_listen: Option<SocketAddr>,
+    /// Host that ramify-api dials (the pod or node IP) when the listen address is a
+    /// wildcard.
+    #[arg(long, env = "RAMIFY_ENDPOINT_ADVERTISE")]
+    endpoint_advertise: Option<String>,
+    /// Serving certificate (PEM; its subjectAltName must name `ramify-node-agent`).
+    #[arg(long, env = "RAMIFY_ENDPOINT_CERT")]
+    endpoint_cert: Option<PathBuf>,
+    #[arg(long, env = "RAMIFY_ENDPOINT_KEY")]
+    endpoint_key: Option<PathBuf>,
+    /// CA of ramify-api's client certificate; only a certificate from it that names
+    /// `ramify-api` is served.
+    #[arg(long, env = "RAMIFY_ENDPOINT_CLIENT_CA")]
+    endpoint_client_ca: Option<PathBuf>,
+}
+
+impl EndpointArgs {
+    fn config(&self) -> Option<EndpointConfig> {
+        Some(EndpointConfig {
+            listen: self.endpoint_listen?,
+            advertise_host: self.endpoint_advertise.clone(),
+            cert: self.endpoint_cert.clone()?,
+            key: self.endpoint_key.clone()?,
+            client_ca: self.endpoint_client_ca.clone()?,
+        })
+    }
+}
+
+/// Where root filesystems may come from.
+#[derive(clap::Args, Clone)]
+struct RootfsArgs {
+    /// A directory inside which RootfsClass paths may lie (repeatable). A class whose
+    /// path is elsewhere, or leads out of its root through a symlink or `..`, is
+    /// refused. No root may overlap --state-dir.
+    #[arg(
+        long = "rootfs-root",
+        env = "RAMIFY_ROOTFS_ROOTS",
+        value_delimiter = ','
+    )]
+    roots: Vec<PathBuf>,
+    /// Where OCI image layouts named by RootfsClasses are unpacked (created 0700;
+    /// must not overlap --state-dir).
+    #[arg(
+        long = "rootfs-cache",
+        env = "RAMIFY_ROOTFS_CACHE",
+        default_value = DEFAULT_ROOTFS_CACHE
+    )]
+    cache: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -73,12 +161,20 @@ enum Command {
         /// Subnet handed to sandboxes (standalone).
         #[arg(long, default_value = "10.88.0.0/16")]
         subnet: String,
-        /// Cgroup under which every sandbox gets its own (standalone).
+        /// Cgroup under which every sandbox gets its own (standalone). Its CPU quota
+        /// and memory limit are set to the sandbox allocatable: a ceiling no number of
+        /// sandboxes can break.
         #[arg(long, default_value = DEFAULT_CGROUP_PARENT)]
         cgroup_parent: String,
+        #[command(flatten)]
+        capacity_args: Box<CapacityArgs>,
+        #[command(flatten)]
+        rootfs: RootfsArgs,
         /// Log as JSON.
         #[arg(long, env = "RAMIFY_LOG_JSON", default_value_t = false)]
         log_json: bool,
+        #[command(flatten)]
+        endpoint: Box<EndpointArgs>,
     },
     /// Run a command in a sandbox on this node: `exec NAMESPACE/NAME -- CMD...`.
     Exec {
@@ -130,31 +226,47 @@ enum Command {
     },
 }
 
+fn parse_cpu(q: &str) -> Result<u64, String> {
+    ramify_crds::capacity::cpu_millis(q)
+        .ok_or_else(|| format!("{q:?} is not a CPU quantity such as 400m or 1.5"))
+}
+
+fn parse_memory(q: &str) -> Result<u64, String> {
+    ramify_crds::capacity::memory_bytes(q)
+        .ok_or_else(|| format!("{q:?} is not a memory quantity such as 2Gi or 512Mi"))
+}
+
 async fn engine(
-    cli_runsc: &Path,
-    platform: &str,
+    s: &AgentSettings,
     state_dir: &Path,
-    bridge: &str,
-    subnet: &str,
-    cgroup_parent: &str,
     owner: Option<String>,
 ) -> anyhow::Result<Engine> {
+    // The agent's state is private (snapshot images hold sandboxes' memory): umask
+    // 077 for this process and every one it starts, before anything is created.
+    ramify_node_agent::private::restrict_umask();
+    ramify_node_agent::private::dir_all(state_dir)?;
     let placement = Standalone::new(StandaloneConfig {
         cni_bin_dir: "/usr/lib/cni".into(),
-        bridge: bridge.into(),
-        subnet: subnet.into(),
+        bridge: s.bridge.clone(),
+        subnet: s.subnet.clone(),
         ipam_dir: state_dir.join("ipam"),
         conf_dir: state_dir.join("cni"),
-        cgroup_parent: cgroup_parent.into(),
+        cgroup_parent: s.cgroup_parent.clone(),
     })?;
     Ok(Engine::new(
         EngineConfig {
             state_dir: state_dir.join("engine"),
+            rootfs: RootfsConfig {
+                roots: s.rootfs_roots.clone(),
+                cache: s.rootfs_cache.clone(),
+                // The whole agent state (registry, IPAM, settings), not only the engine's.
+                protected: vec![state_dir.to_path_buf()],
+            },
             id_prefix: "ramify-".into(),
             id_owner: owner,
             runsc: RunscConfig {
-                binary: cli_runsc.to_path_buf(),
-                platform: platform.parse()?,
+                binary: s.runsc.clone(),
+                platform: s.platform.parse()?,
                 ..RunscConfig::default()
             },
             exec_timeout: Duration::from_secs(600),
@@ -164,54 +276,37 @@ async fn engine(
     .await?)
 }
 
-/// How the running agent drives runsc, recorded in its state directory so the local
-/// subcommands (exec, logs, diff, cleanup) use the same runsc build and network.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct AgentSettings {
-    runsc: PathBuf,
-    platform: String,
-    bridge: String,
-    subnet: String,
-    #[serde(default = "default_cgroup_parent")]
-    cgroup_parent: String,
-}
-
-const DEFAULT_CGROUP_PARENT: &str = "/ramify";
-
-fn default_cgroup_parent() -> String {
-    DEFAULT_CGROUP_PARENT.into()
-}
-
-fn settings_path(state_dir: &Path) -> PathBuf {
-    state_dir.join("agent.json")
-}
-
 /// The engine over a node's state, as its agent configured it.
 async fn local_engine(
     cli_runsc: &Path,
     platform: &str,
     state_dir: &Path,
 ) -> anyhow::Result<Engine> {
-    let s = std::fs::read(settings_path(state_dir))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<AgentSettings>(&b).ok())
-        .unwrap_or(AgentSettings {
-            runsc: cli_runsc.to_path_buf(),
-            platform: platform.to_string(),
-            bridge: "ramify0".into(),
-            subnet: "10.88.0.0/16".into(),
-            cgroup_parent: default_cgroup_parent(),
-        });
-    engine(
-        &s.runsc,
-        &s.platform,
-        state_dir,
-        &s.bridge,
-        &s.subnet,
-        &s.cgroup_parent,
-        Some("node".into()),
-    )
-    .await
+    let s = match settings::load(state_dir)? {
+        Some(s) => s,
+        None => {
+            eprintln!(
+                "note: no {} (no agent ran on this state directory): using --runsc, --platform and the default network and cgroup parent",
+                settings::path(state_dir).display()
+            );
+            AgentSettings {
+                runsc: cli_runsc.to_path_buf(),
+                platform: platform.to_string(),
+                bridge: "ramify0".into(),
+                subnet: "10.88.0.0/16".into(),
+                cgroup_parent: DEFAULT_CGROUP_PARENT.into(),
+                rootfs_roots: Vec::new(),
+                rootfs_cache: settings::default_rootfs_cache(),
+            }
+        }
+    };
+    // exec, logs, diff and cleanup never start a sandbox from a root filesystem: no
+    // root needs to be opened (nor to still exist).
+    let s = AgentSettings {
+        rootfs_roots: Vec::new(),
+        ..s
+    };
+    engine(&s, state_dir, Some("node".into())).await
 }
 
 /// The engine over a node's state and the sandbox recorded there for `namespace/name`.
@@ -236,17 +331,7 @@ async fn find(
         .split_once('/')
         .ok_or_else(|| anyhow::anyhow!("expected NAMESPACE/NAME, got {key:?}"))?;
     let registry = Registry::open(state_dir.join("registry"))?;
-    let rec = registry
-        .sandboxes()?
-        .into_values()
-        .find(|r| r.namespace == ns && r.name == name)
-        .ok_or_else(|| anyhow::anyhow!("no sandbox {key} on this node"))?;
-    engine
-        .recover()
-        .await?
-        .into_iter()
-        .find(|s| s.id == rec.sandbox_id)
-        .ok_or_else(|| anyhow::anyhow!("sandbox {key} ({}) has no local state", rec.sandbox_id))
+    Ok(local_sandbox(engine, &registry, ns, name).await?)
 }
 
 #[tokio::main]
@@ -262,8 +347,6 @@ async fn main() -> ExitCode {
 }
 
 async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     match cli.cmd {
         Command::Run {
             state,
@@ -275,46 +358,61 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             bridge,
             subnet,
             cgroup_parent,
+            capacity_args,
+            rootfs,
             log_json,
+            endpoint,
         } => {
-            if log_json {
-                tracing_subscriber::fmt()
-                    .json()
-                    .with_env_filter(filter)
-                    .init();
-            } else {
-                tracing_subscriber::fmt().with_env_filter(filter).init();
-            }
+            ramify_runtime::logging::init(log_json);
             if mode != "standalone" {
                 anyhow::bail!("--mode {mode}: only standalone placement is implemented");
             }
-            let engine = engine(
-                &cli.runsc,
-                &cli.platform,
-                &state.state_dir,
-                &bridge,
-                &subnet,
-                &cgroup_parent,
-                Some("node".into()),
-            )
-            .await?;
-            let platform = engine.runsc().platform().clone();
-            let settings = AgentSettings {
+            let CapacityArgs {
+                reserve_cpu,
+                reserve_memory,
+                allocatable_cpu,
+                allocatable_memory,
+                max_concurrent_restores,
+            } = *capacity_args;
+            let node_capacity = cap::node_capacity()?;
+            let mut allocatable = cap::allocatable(
+                node_capacity,
+                Requests {
+                    cpu_millis: reserve_cpu,
+                    memory_bytes: reserve_memory,
+                },
+            )?;
+            allocatable.cpu_millis = allocatable_cpu.unwrap_or(allocatable.cpu_millis);
+            allocatable.memory_bytes = allocatable_memory.unwrap_or(allocatable.memory_bytes);
+            let max_restores = max_concurrent_restores
+                .unwrap_or_else(|| cap::default_max_restores(&node_capacity))
+                .max(1);
+            cap::apply_ceiling(&cgroup_parent, &allocatable)?;
+            info!(
+                cpu = %Requests::cpu_text(allocatable.cpu_millis),
+                memory = %Requests::memory_text(allocatable.memory_bytes),
+                max_restores,
+                cgroup_parent = %cgroup_parent,
+                "sandbox allocatable (node capacity minus the reserve), set as the ceiling of the sandboxes' parent cgroup"
+            );
+            let mut settings = AgentSettings {
                 runsc: std::fs::canonicalize(&cli.runsc).unwrap_or_else(|_| cli.runsc.clone()),
-                // What the sandboxes run on, not `auto`: the local subcommands must not
-                // decide again (and maybe differently).
-                platform: platform.platform.as_str().into(),
+                platform: cli.platform.clone(),
                 bridge: bridge.clone(),
                 subnet: subnet.clone(),
                 cgroup_parent: cgroup_parent.clone(),
+                rootfs_roots: rootfs.roots.clone(),
+                rootfs_cache: rootfs.cache.clone(),
             };
-            std::fs::write(
-                settings_path(&state.state_dir),
-                serde_json::to_vec_pretty(&settings)?,
-            )?;
+            let engine = engine(&settings, &state.state_dir, Some("node".into())).await?;
+            let platform = engine.runsc().platform().clone();
+            // What the sandboxes run on, not `auto`: the local subcommands must not
+            // decide again (and maybe differently).
+            settings.platform = platform.platform.as_str().into();
+            settings::store(&state.state_dir, &settings)?;
             let client = kube::Client::try_default().await?;
             let version = agent::short_version(engine.runsc().version()).to_string();
-            let metrics = AgentMetrics::new(&version);
+            let metrics = AgentMetrics::new(&version, engine.cleanup_failures());
             metrics.set_platform(&platform);
             info!(platform = platform.platform.as_str(), requested = platform.requested.as_str(), reason = %platform.reason, "gVisor platform");
             let health = ramify_runtime::Health::default();
@@ -326,23 +424,35 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     }
                 }
             });
+            // Bound before the first Lease write, so the Lease names a live endpoint.
+            let endpoint = match endpoint.config() {
+                Some(cfg) => Some(Endpoint::bind(&cfg).await?),
+                None => None,
+            };
             let announcement = Announcement {
                 namespace: system_namespace.clone(),
                 node: node_name.clone(),
                 capacity,
+                allocatable,
                 runsc_version: version,
                 platform: platform.platform.as_str().into(),
                 duration: Duration::from_secs(15),
+                endpoint: endpoint.as_ref().map(|e| e.url.clone()),
             };
             lease::renew(&client, &announcement).await?;
             tokio::spawn(lease::heartbeat(client.clone(), announcement));
             let registry = Registry::open(state.state_dir.join("registry"))?;
+            if let Some(ep) = endpoint {
+                tokio::spawn(ep.serve(engine.clone(), registry.clone()));
+            }
             let agent = Arc::new(Agent::new(
                 client,
                 engine,
                 AgentConfig {
                     node: node_name,
                     system_namespace,
+                    allocatable,
+                    max_restores,
                 },
                 registry,
                 metrics,
@@ -359,9 +469,13 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
             // `exec NAME -- CMD`: clap keeps the `--` in a trailing var-arg.
             let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
+            // A decided branch is frozen: thawed for the look, frozen again after.
+            let look = Look::begin(&sb).await?;
             let out = engine
                 .exec_with(&sb, &command, &[], Duration::from_secs(600))
-                .await?;
+                .await;
+            look.end().await?;
+            let out = out?;
             use std::io::Write;
             std::io::stdout().write_all(&out.stdout)?;
             std::io::stderr().write_all(&out.stderr)?;
@@ -379,7 +493,10 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             paths,
         } => {
             let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
-            let d = engine.diff_since_restore(&sb, &paths).await?;
+            let look = Look::begin(&sb).await?;
+            let d = engine.diff_since_restore(&sb, &paths).await;
+            look.end().await?;
+            let d = d?;
             for (mark, list) in [("A", &d.added), ("M", &d.modified), ("D", &d.deleted)] {
                 for c in list.iter() {
                     println!("{mark} {:>10} {}", c.size, c.path);
@@ -394,7 +511,18 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Cleanup { state } => {
             let engine = local_engine(&cli.runsc, &cli.platform, &state.state_dir).await?;
-            for sb in engine.recover().await? {
+            let recovered = engine.recover().await?;
+            for bad in recovered.unreadable {
+                eprintln!(
+                    "warning: {} does not parse ({}); destroying its sandbox",
+                    bad.path.display(),
+                    bad.error
+                );
+                let id = bad.handle.id.clone();
+                engine.destroy(bad.handle).await?;
+                println!("destroyed sandbox {id}");
+            }
+            for sb in recovered.sandboxes {
                 let id = sb.id.clone();
                 engine.destroy(sb).await?;
                 println!("destroyed sandbox {id}");

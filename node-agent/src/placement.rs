@@ -182,10 +182,9 @@ pub fn parse_cni_result(json: &[u8], bridge: &str) -> Result<(Address, Option<St
 impl Standalone {
     pub fn new(cfg: StandaloneConfig) -> Result<Self> {
         let _: Cidr = cfg.subnet.parse()?;
-        std::fs::create_dir_all(&cfg.conf_dir)
-            .map_err(|e| Error::io("create CNI conf dir", &cfg.conf_dir, e))?;
-        std::fs::create_dir_all(&cfg.ipam_dir)
-            .map_err(|e| Error::io("create IPAM dir", &cfg.ipam_dir, e))?;
+        // Agent state: owner-only, like the rest of it.
+        crate::private::dir_all(&cfg.conf_dir)?;
+        crate::private::dir_all(&cfg.ipam_dir)?;
         for plugin in ["bridge", "host-local"] {
             if !cfg.cni_bin_dir.join(plugin).exists() {
                 return Err(Error::MissingTool(format!(
@@ -230,6 +229,27 @@ impl Standalone {
             .timeout(Duration::from_secs(30))
     }
 
+    /// CNI DEL, tried up to three times: it is idempotent, and one run while other
+    /// sandboxes' links are torn down at the same moment was seen to fail (exit 1),
+    /// which would leave the sandbox's IP lease behind for good.
+    async fn cni_del(&self, id: &str) -> Result<()> {
+        let mut attempt = 0;
+        loop {
+            let del = self.cni("DEL", id);
+            let out = del.output().await?;
+            if out.code == 0 {
+                return Ok(());
+            }
+            let e = cni_failed(&del, &out);
+            attempt += 1;
+            if attempt == 3 {
+                return Err(e);
+            }
+            warn!(error = %e, attempt, "CNI DEL failed; trying again");
+            tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
+        }
+    }
+
     fn ipt() -> Cmd {
         // -w: wait for the xtables lock; parallel sandboxes configure concurrently.
         Cmd::new("iptables").arg("-w").arg("5")
@@ -245,14 +265,7 @@ impl Standalone {
         let add = self.cni("ADD", &req.id);
         let out = add.output().await?;
         if out.code != 0 {
-            // A CNI plugin reports its error as JSON on stdout, not stderr.
-            return Err(Error::Command {
-                command: add.display(),
-                status: format!("exit code {}", out.code),
-                stderr: format!("{} {}", out.stdout_str().trim(), out.stderr_str().trim())
-                    .trim()
-                    .to_string(),
-            });
+            return Err(cni_failed(&add, &out));
         }
         let (addr, veth) = parse_cni_result(&out.stdout, &self.cfg.bridge)?;
         placed.address = Some(addr.clone());
@@ -369,6 +382,17 @@ impl Standalone {
     }
 }
 
+/// A CNI plugin's failure: it reports its error as JSON on stdout, not stderr.
+fn cni_failed(cmd: &Cmd, out: &crate::cmd::Output) -> Error {
+    Error::Command {
+        command: cmd.display(),
+        status: format!("exit code {}", out.code),
+        stderr: format!("{} {}", out.stdout_str().trim(), out.stderr_str().trim())
+            .trim()
+            .to_string(),
+    }
+}
+
 impl Placement for Standalone {
     #[instrument(skip(self, req), fields(id = %req.id))]
     fn place<'a>(&'a self, req: &'a PlacementRequest) -> BoxFuture<'a, Result<Placed>> {
@@ -482,7 +506,7 @@ impl Placement for Standalone {
             // CNI DEL releases the IP lease and deletes the veth pair. Also for a
             // half-made placement: DEL of what was never added, or of a netns that is
             // gone, is a no-op for the plugins, and a lease must not outlive its owner.
-            note(self.cni("DEL", &placed.id).run().await.map(|_| ()));
+            note(self.cni_del(&placed.id).await);
             if placed.netns.is_some() {
                 note(
                     Cmd::new("ip")

@@ -449,15 +449,13 @@ impl Runsc {
     /// Run a process in the sandbox. The exit code is the process's; a runsc-level
     /// failure (no such container) also shows up as a non-zero code with stderr.
     #[instrument(skip(self, ctx, env), fields(id = %ctx.id))]
-    pub async fn exec(
+    /// The `runsc exec` command line for `argv` (not started).
+    pub fn exec_cmd(
         &self,
         ctx: &SandboxCtx,
         argv: &[String],
         env: &[(String, String)],
-        stdin: Option<&Path>,
-        timeout: Duration,
-        tail: Option<usize>,
-    ) -> Result<Output> {
+    ) -> Result<Cmd> {
         if argv.is_empty() {
             return Err(Error::Invalid("exec needs a command".into()));
         }
@@ -468,7 +466,19 @@ impl Runsc {
         }
         sub.push(ctx.id.clone().into());
         sub.extend(argv.iter().map(OsString::from));
-        let mut c = self.command(ctx, &sub, false).timeout(timeout);
+        Ok(self.command(ctx, &sub, false))
+    }
+
+    pub async fn exec(
+        &self,
+        ctx: &SandboxCtx,
+        argv: &[String],
+        env: &[(String, String)],
+        stdin: Option<&Path>,
+        timeout: Duration,
+        tail: Option<usize>,
+    ) -> Result<Output> {
+        let mut c = self.exec_cmd(ctx, argv, env)?.timeout(timeout);
         if let Some(p) = stdin {
             c = c.stdin_file(p);
         }

@@ -147,12 +147,9 @@ const CAPS: &[&str] = &[
 
 /// Write `<bundle>/config.json` atomically.
 pub fn write_bundle(bundle: &Path, config: &Value) -> Result<PathBuf> {
-    std::fs::create_dir_all(bundle).map_err(|e| Error::io("create bundle dir", bundle, e))?;
+    crate::private::dir_all(bundle)?;
     let path = bundle.join("config.json");
-    let tmp = bundle.join(".config.json.tmp");
-    let bytes = serde_json::to_vec_pretty(config)?;
-    std::fs::write(&tmp, bytes).map_err(|e| Error::io("write", &tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))?;
+    crate::private::write_atomic(&path, &serde_json::to_vec_pretty(config)?)?;
     Ok(path)
 }
 

@@ -150,19 +150,24 @@ fn sha256_file_max(path: &Path, max: u64) -> Result<(u64, String)> {
 fn hash_and_stamp(path: &Path, max: u64) -> Result<(u64, String, FileStamp)> {
     let f = open_regular(path)?;
     let stamp = FileStamp::of(&f.metadata().map_err(|e| Error::io("stat", path, e))?);
-    let mut f = f.take(max.saturating_add(1));
+    let (total, sha) = sha256_read(f.take(max.saturating_add(1)), path)?;
+    Ok((total, sha, stamp))
+}
+
+/// sha256 and length of everything `r` yields (`path` names it in errors).
+pub fn sha256_read(mut r: impl Read, path: &Path) -> Result<(u64, String)> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
     loop {
-        let n = f.read(&mut buf).map_err(|e| Error::io("read", path, e))?;
+        let n = r.read(&mut buf).map_err(|e| Error::io("read", path, e))?;
         if n == 0 {
             break;
         }
         total += n as u64;
         h.update(&buf[..n]);
     }
-    Ok((total, hex::encode(h.finalize()), stamp))
+    Ok((total, hex::encode(h.finalize())))
 }
 
 fn digest_of(files: &[ImageFile]) -> String {
@@ -179,7 +184,7 @@ fn digest_of(files: &[ImageFile]) -> String {
 impl SnapshotStore {
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
-        fs::create_dir_all(&dir).map_err(|e| Error::io("create snapshot store", &dir, e))?;
+        crate::private::dir_all(&dir)?;
         Ok(SnapshotStore {
             dir,
             verified: Arc::default(),
@@ -213,7 +218,7 @@ impl SnapshotStore {
             });
         }
         let img = d.join(IMAGE);
-        fs::create_dir_all(&img).map_err(|e| Error::io("create image dir", &img, e))?;
+        crate::private::dir_all(&img)?;
         Ok(img)
     }
 
@@ -235,13 +240,8 @@ impl SnapshotStore {
             }
             let name = entry.file_name().to_string_lossy().into_owned();
             let (size, sha256) = sha256_file(&entry.path())?;
-            let mut perm = entry
-                .metadata()
-                .map_err(|e| Error::io("stat", entry.path(), e))?
-                .permissions();
-            perm.set_readonly(true);
-            fs::set_permissions(entry.path(), perm)
-                .map_err(|e| Error::io("chmod", entry.path(), e))?;
+            // Read-only and the agent's alone: an image holds the sandbox's memory.
+            crate::private::chmod(&entry.path(), crate::private::SEALED_MODE)?;
             files.push(ImageFile { name, size, sha256 });
         }
         if files.iter().all(|f| f.size == 0) {
@@ -255,10 +255,7 @@ impl SnapshotStore {
         meta.sha256 = digest_of(&files);
         meta.files = files;
         let path = self.snap_dir(&meta.id)?.join(META);
-        let tmp = path.with_extension("tmp");
-        fs::write(&tmp, serde_json::to_vec_pretty(&meta)?)
-            .map_err(|e| Error::io("write", &tmp, e))?;
-        fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))?;
+        crate::private::write_atomic(&path, &serde_json::to_vec_pretty(&meta)?)?;
         info!(size = meta.size_bytes, sha256 = %meta.sha256, "snapshot sealed");
         Ok(meta)
     }

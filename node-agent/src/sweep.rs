@@ -157,7 +157,8 @@ pub async fn sweep_orphans(prefix: &str, cgroup_parent: &str) -> Vec<String> {
             }
         }
     }
-    // Control-directory tmpfs mounts (field 5 of mountinfo is the mount point).
+    // Control-directory tmpfs and rootfs bind mounts (field 5 of mountinfo is the
+    // mount point).
     if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") {
         for point in m.lines().filter_map(|l| l.split(' ').nth(4)) {
             if ids_in(point, prefix).iter().any(|i| orphan(i, prefix))

@@ -385,14 +385,113 @@ proptest! {
 
     #[test]
     fn commit_tar_check_is_total(bytes in proptest::collection::vec(any::<u8>(), 0..3000), flip in any::<(usize, u8)>()) {
-        let m: Manifest = [("/w/a".to_string(), FileEntry { size: 3, sha256: sha("abc") })].into();
-        let _ = diff::check_commit_tar(&bytes, &m);
+        let m = manifest_abc();
+        // Total: any bytes get an answer (a panic fails the property), and whatever it
+        // accepts unpacks to exactly the manifest.
+        if diff::check_commit_tar(&bytes, &m).is_ok() {
+            prop_assert_eq!(unpacked(&bytes), Some(expected_tree()));
+        }
         // A valid tarball with one flipped byte is either still exactly right or refused.
         let mut good = ustar(&[("w/a", b'0', b"abc", "")]);
         let i = flip.0 % good.len();
         good[i] ^= flip.1;
-        let _ = diff::check_commit_tar(&good, &m);
+        match diff::check_commit_tar(&good, &m) {
+            Ok(()) => prop_assert_eq!(unpacked(&good), Some(expected_tree()), "accepted a tarball flipped at byte {}", i),
+            Err(e) => {
+                prop_assert!(flip.1 != 0, "the unflipped tarball was refused: {}", e);
+                prop_assert!(e.to_string().starts_with("invalid request: commit tarball refused"), "{}", e);
+            }
+        }
     }
+}
+
+/// What `tar -x` (GNU tar, as the engine requires on the node) unpacks from `tar`:
+/// every entry under the directory, as path and content; `None` if tar refuses it.
+fn unpacked(tar: &[u8]) -> Option<std::collections::BTreeMap<String, Vec<u8>>> {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new("tar")
+        .args(["-xf", "-", "--no-same-owner", "-C"])
+        .arg(dir.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("tar (GNU tar must be installed: the engine needs it too)");
+    let _ = child.stdin.take().unwrap().write_all(tar);
+    if !child.wait().unwrap().success() {
+        return None;
+    }
+    let mut tree = std::collections::BTreeMap::new();
+    for e in walkdir::WalkDir::new(dir.path()).min_depth(1) {
+        let e = e.unwrap();
+        let rel = e
+            .path()
+            .strip_prefix(dir.path())
+            .unwrap()
+            .display()
+            .to_string();
+        let content = if e.file_type().is_file() {
+            fs::read(e.path()).unwrap()
+        } else if e.file_type().is_dir() {
+            b"<dir>".to_vec()
+        } else {
+            b"<other>".to_vec()
+        };
+        tree.insert(rel, content);
+    }
+    Some(tree)
+}
+
+/// The manifest of a commit of one file, `/w/a` holding `abc`.
+fn manifest_abc() -> Manifest {
+    [(
+        "/w/a".to_string(),
+        FileEntry {
+            size: 3,
+            sha256: sha("abc"),
+        },
+    )]
+    .into()
+}
+
+fn expected_tree() -> std::collections::BTreeMap<String, Vec<u8>> {
+    [
+        ("w".to_string(), b"<dir>".to_vec()),
+        ("w/a".to_string(), b"abc".to_vec()),
+    ]
+    .into()
+}
+
+/// Every single-byte flip of a valid tarball, not a sample: each is refused, or it is
+/// still the same archive to `tar` (padding, the second end block). Not vacuous: the
+/// flips of the name, size and content are all refused, and some flips are accepted.
+#[test]
+fn commit_tar_check_refuses_every_flip_that_changes_what_is_unpacked() {
+    let m = manifest_abc();
+    let good = ustar(&[("w/a", b'0', b"abc", "")]);
+    assert_eq!(unpacked(&good), Some(expected_tree()));
+    let mut accepted = 0;
+    for i in 0..good.len() {
+        let mut t = good.clone();
+        t[i] ^= 0x01;
+        if diff::check_commit_tar(&t, &m).is_ok() {
+            accepted += 1;
+            assert_eq!(
+                unpacked(&t),
+                Some(expected_tree()),
+                "accepted a tarball flipped at byte {i}"
+            );
+            assert!(
+                !(0..100).contains(&i) && !(124..136).contains(&i) && !(512..515).contains(&i),
+                "a flip of the name, size or content at byte {i} was accepted"
+            );
+        }
+    }
+    assert!(
+        accepted > 0,
+        "no flip at all was accepted: the oracle is untested"
+    );
 }
 
 fn sha(s: &str) -> String {
@@ -428,14 +527,7 @@ fn ustar(entries: &[(&str, u8, &[u8], &str)]) -> Vec<u8> {
 
 #[test]
 fn commit_tar_check_refuses_hostile_archives() {
-    let m: Manifest = [(
-        "/w/a".to_string(),
-        FileEntry {
-            size: 3,
-            sha256: sha("abc"),
-        },
-    )]
-    .into();
+    let m = manifest_abc();
     let ok = ustar(&[("w/a", b'0', b"abc", "")]);
     diff::check_commit_tar(&ok, &m).unwrap();
     let cases: Vec<(&str, Vec<u8>)> = vec![
@@ -498,14 +590,7 @@ fn with_mode(mut tar: Vec<u8>, mode: u32) -> Vec<u8> {
 
 #[test]
 fn commit_tar_check_refuses_setuid_setgid_and_sticky_files() {
-    let m: Manifest = [(
-        "/w/a".to_string(),
-        FileEntry {
-            size: 3,
-            sha256: sha("abc"),
-        },
-    )]
-    .into();
+    let m = manifest_abc();
     let plain = ustar(&[("w/a", b'0', b"abc", "")]);
     for ok in [0o644, 0o755, 0o777, 0o600] {
         diff::check_commit_tar(&with_mode(plain.clone(), ok), &m)

@@ -59,7 +59,7 @@ fn identity_of(raw: &str) -> Identity {
 async fn branches_read_fresh_urandom_and_get_their_own_identity_and_hostname() {
     let h = harness("urandom").await;
     let mut parent = h.start("parent", RANDOM_LOOP, vec![]).await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    h.written(&parent, "/tmp/rand").await;
     let parent_id = identity_of(&h.sh(&parent, "cat /run/ramify/identity").await);
     assert_eq!(parent_id.hostname.as_deref(), Some("sandbox"));
     assert_eq!(h.sh(&parent, "hostname").await.trim(), "sandbox");
@@ -85,9 +85,17 @@ async fn branches_read_fresh_urandom_and_get_their_own_identity_and_hostname() {
         )
         .await
         .unwrap_or_else(|e| panic!("fork: {e}"));
-    tokio::time::sleep(Duration::from_millis(500)).await;
-
-    let parent_lines = lines(&h, &parent).await;
+    // The parent draws on after the snapshot too: its reads join the ones no branch
+    // may repeat.
+    let parent_lines = eventually(
+        Duration::from_secs(30),
+        "the parent to draw again after the snapshot",
+        || async {
+            let ls = lines(&h, &parent).await;
+            (ls.len() as u64 > at_snapshot + 1).then_some(ls)
+        },
+    )
+    .await;
     let pre = parent_lines[0].pre.clone();
     let mut seen_now: HashSet<String> = parent_lines.iter().map(|l| l.now.clone()).collect();
     let mut seen_fd: HashSet<String> = parent_lines.iter().map(|l| l.fd.clone()).collect();
@@ -203,7 +211,7 @@ async fn branches_read_fresh_urandom_and_get_their_own_identity_and_hostname() {
 async fn warm_pool_claims_get_fresh_identity_and_keep_their_own_hostname() {
     let h = harness("warm-identity").await;
     let mut parent = h.start("parent", RANDOM_LOOP, vec![]).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.written(&parent, "/tmp/rand").await;
     let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
     let pool = h.engine.warm_pool(&snap.meta.id, 2);
     pool.wait_ready(2, Duration::from_secs(60)).await.unwrap();

@@ -155,24 +155,8 @@ async fn egress_is_denied_by_default_and_opened_by_allowlist() {
 async fn abort_and_failed_restore_leave_nothing_behind() {
     let h = harness("abort").await;
     // A private copy of the rootfs so it can be taken away to make a restore fail.
-    let rootfs = h.dir.join("rootfs-copy");
-    let st = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(&h.rootfs)
-        .arg(&rootfs)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let mut parent = h
-        .engine
-        .start(ramify_node_agent::StartRequest {
-            name: "parent".into(),
-            rootfs: ramify_node_agent::rootfs::RootfsSource::Dir(rootfs.clone()),
-            workload: h.workload(COUNTER),
-            egress_allow: vec![],
-        })
-        .await
-        .unwrap();
+    let rootfs = h.own_rootfs("rootfs-copy");
+    let mut parent = h.start_from("parent", &rootfs, COUNTER, vec![]).await;
     let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
     // Abort a healthy branch.
     let mut br = h
@@ -251,8 +235,7 @@ async fn corrupted_or_foreign_snapshots_are_refused_before_restore() {
 async fn warm_pool_hands_out_frozen_branches_and_refills() {
     let h = harness("pool").await;
     let mut parent = h.start("parent", COUNTER, vec![]).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let v = h.counter(&parent).await;
+    let v = h.counter_past(&parent, 0).await;
     let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
     let pool = h.engine.warm_pool(&snap.meta.id, 2);
     pool.wait_ready(2, Duration::from_secs(60)).await.unwrap();
@@ -274,8 +257,8 @@ async fn warm_pool_hands_out_frozen_branches_and_refills() {
         c1 >= v,
         "claimed branch does not come from the snapshot ({c1} < {v})"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(h.counter(&a).await > c1, "claimed branch is not running");
+    // The claimed branch runs (the wait fails if it stayed frozen).
+    h.counter_past(&a, c1).await;
     let id: Identity = serde_json::from_str(&h.sh(&a, "cat /run/ramify/identity").await).unwrap();
     assert_eq!(id.name, "claimed-a");
     // The pool refills in the background.
@@ -343,17 +326,23 @@ async fn a_sandbox_has_no_route_to_the_host_even_with_egress_to_everywhere() {
     let acceptor = {
         let (got, stop) = (got.clone(), stop.clone());
         std::thread::spawn(move || {
+            let keep = |(mut s, peer): (std::net::TcpStream, std::net::SocketAddr)| {
+                s.set_nonblocking(false).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                let mut buf = String::new();
+                let _ = s.read_to_string(&mut buf);
+                got.lock().unwrap().push(format!("{peer}: {}", buf.trim()));
+            };
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 match l.accept() {
-                    Ok((mut s, peer)) => {
-                        s.set_nonblocking(false).unwrap();
-                        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-                        let mut buf = String::new();
-                        let _ = s.read_to_string(&mut buf);
-                        got.lock().unwrap().push(format!("{peer}: {}", buf.trim()));
-                    }
+                    Ok(c) => keep(c),
                     Err(_) => std::thread::sleep(Duration::from_millis(10)),
                 }
+            }
+            // Whatever reached the listener before the stop is in its backlog: drain
+            // it, so a connection from the sandbox cannot go unseen.
+            while let Ok(c) = l.accept() {
+                keep(c);
             }
         })
     };
@@ -381,7 +370,20 @@ async fn a_sandbox_has_no_route_to_the_host_even_with_egress_to_everywhere() {
     );
     let out = h.sh(&sb, &script).await;
     eprintln!("host addresses tried from the sandbox (address, nc exit):\n{out}");
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Every nc has exited (the script waits for them): what they sent is in the
+    // listener's backlog, drained once the host's own three connections are in.
+    eventually(
+        Duration::from_secs(10),
+        "the host's own connections to reach the listener",
+        || async {
+            let got = got.lock().unwrap();
+            ["127.0.0.1", GATEWAY, "::1"]
+                .iter()
+                .all(|a| got.iter().any(|g| g.ends_with(&format!("from-host-{a}"))))
+                .then_some(())
+        },
+    )
+    .await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     acceptor.join().unwrap();
     let got = got.lock().unwrap().clone();
@@ -506,8 +508,8 @@ async fn a_snapshot_into_a_full_store_fails_cleanly_and_leaves_the_source_runnin
     // The source runs on, unchanged.
     assert!(h.engine.is_running(&sb).await.unwrap(), "source stopped");
     assert_eq!(h.sh(&sb, "sha256sum /tmp/big").await, sum);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(h.counter(&sb).await > before, "source's counter stopped");
+    // The source's counter runs on (the wait fails if it stopped).
+    h.counter_past(&sb, before).await;
     // Nothing half-written stays in the store, and the space is free again.
     let left: Vec<_> = std::fs::read_dir(&store)
         .unwrap()

@@ -124,9 +124,6 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
             Err(e) => return Err(e),
         }
     }
-    if let Some(action) = release_next_effect(ctx, bs, resource_version, &plan.status).await? {
-        return Ok(action);
-    }
     crate::metrics::set_phase(
         &ctx.metrics,
         "BranchSet",
@@ -149,6 +146,11 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     for note in &plan.notes {
         ctx.event(&reference, note.warning, note.reason, note.message.clone())
             .await;
+    }
+    // After the Events: what the status write above decided is announced even when an
+    // effect runs next (this reconcile ends there, and the next one decides nothing new).
+    if let Some(action) = release_next_effect(ctx, bs, resource_version, &plan.status).await? {
+        return Ok(action);
     }
 
     // Act: deletions first (losers go at once, all together), then creations.
@@ -279,19 +281,21 @@ async fn write_status(
     });
     let api: Api<BranchSet> =
         Api::namespaced(ctx.client.clone(), &bs.namespace().unwrap_or_default());
-    match api
-        .patch_status(
+    let written = crate::writes::within(
+        "branchset status",
+        api.patch_status(
             &bs.name_any(),
             &PatchParams::apply(STATUS_MANAGER).force(),
             &Patch::Apply(&body),
-        )
-        .await
-    {
+        ),
+    )
+    .await;
+    match written {
         Ok(obj) => Ok(obj.resource_version()),
-        Err(kube::Error::Api(s)) if s.code == 409 => {
+        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
             Err(Error::Conflict(format!("branchset {}", bs.name_any())))
         }
-        Err(e) => Err(e.into()),
+        Err(e) => Err(e),
     }
 }
 

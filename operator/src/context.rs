@@ -96,6 +96,18 @@ impl Cache {
             .collect()
     }
 
+    /// Every cached Sandbox and Snapshot, shared rather than copied (capacity
+    /// accounting reads them all on every look at a waiting sandbox).
+    #[allow(clippy::type_complexity)]
+    pub fn everything(
+        &self,
+    ) -> (
+        Vec<std::sync::Arc<DeserializeGuard<Sandbox>>>,
+        Vec<std::sync::Arc<DeserializeGuard<Snapshot>>>,
+    ) {
+        (self.sandboxes.state(), self.snapshots.state())
+    }
+
     /// Sandboxes bound to `node` (capacity accounting).
     pub fn sandboxes_on(&self, node: &str) -> usize {
         self.sandboxes
@@ -135,6 +147,10 @@ pub struct Context {
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub settings: Settings,
+    /// The node agents' Leases, listed at most every few seconds.
+    pub nodes: crate::nodes::NodeCache,
+    /// The controllers' per-object backoff, and their reports of permanent failures.
+    pub settler: ramify_runtime::settle::Settler,
 }
 
 impl Context {
@@ -157,8 +173,10 @@ impl Context {
             cache,
             cache_writers: Mutex::new(Some(writers)),
             metrics,
+            settler: crate::backoff::settler(recorder.clone()),
             recorder,
             settings,
+            nodes: crate::nodes::NodeCache::default(),
         }
     }
 

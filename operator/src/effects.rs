@@ -27,13 +27,15 @@ pub enum Outcome {
     Retry(String),
 }
 
-/// The name of the Job that runs an effect: stable, DNS-safe, short.
+/// The name of the Job that runs an effect: stable, DNS-safe, short. The effect id is
+/// hashed with SHA-256 (not `DefaultHasher`, whose output may change between Rust
+/// releases): an upgraded operator must find the Job an earlier build created for an
+/// effect still marked Executing, never create a second one.
 pub fn job_name(bs: &str, effect_id: &str) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    effect_id.hash(&mut h);
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(effect_id.as_bytes());
     let prefix: String = bs.chars().take(40).collect();
-    format!("{prefix}-fx-{:012x}", h.finish() & 0xffff_ffff_ffff)
+    format!("{prefix}-fx-{}", hex::encode(&digest[..6]))
 }
 
 /// The idempotency key of an effect: the BranchSet's uid and the effect's id.
@@ -176,5 +178,15 @@ mod tests {
             "{a}"
         );
         assert!(job_name(&"x".repeat(200), "a/b").len() <= 63);
+    }
+
+    /// The name is a fixed function of its inputs, the same in every build: the first
+    /// 48 bits of SHA-256("fix-b/01-deploy.json"), as `sha256sum` prints them.
+    #[test]
+    fn job_names_do_not_depend_on_the_build() {
+        assert_eq!(
+            job_name("try-fixes", "fix-b/01-deploy.json"),
+            "try-fixes-fx-f92b98327c2c"
+        );
     }
 }

@@ -1,7 +1,5 @@
 //! Typed errors with a category that feeds `failures{error}` and Kubernetes Events.
 
-use std::time::Duration;
-
 /// Errors of the reconcilers.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -26,38 +24,50 @@ pub enum Error {
     /// The informer cache cannot serve reads (its watch was dropped).
     #[error("informer cache: {0}")]
     Cache(String),
+    /// An API call did not answer in time (an overloaded API server); retried.
+    #[error("{0}: no answer from the API server in time")]
+    Timeout(String),
+    /// This replica no longer holds the leader Lease (another took it, or renewals
+    /// failed until the renew deadline): it must stop reconciling.
+    #[error("leadership lost: {0}")]
+    LeadershipLost(String),
 }
 
 impl Error {
     /// A short, stable label for metrics and Event reasons.
     pub fn category(&self) -> &'static str {
         match self {
-            Error::Kube(_) => "kube_api",
+            Error::Kube(e) => ramify_runtime::backoff::kube_category(e).unwrap_or("kube_api"),
             Error::Serde(_) => "serialization",
             Error::NotFound { .. } => "not_found",
             Error::Invalid(_) => "invalid",
             Error::Conflict(_) => "conflict",
             Error::NoNode => "no_node",
             Error::Cache(_) => "cache",
+            Error::Timeout(_) => "timeout",
+            Error::LeadershipLost(_) => "leadership",
         }
     }
 
-    /// How long to wait before retrying: conflicts at once, the rest with a backoff
-    /// that the caller scales by the failure count.
-    pub fn retry_after(&self, failures: u32) -> Duration {
-        match self {
-            Error::Conflict(_) => Duration::from_millis(10),
-            _ => {
-                let exp = failures.min(6);
-                Duration::from_millis(250u64 << exp).min(Duration::from_secs(30))
-            }
-        }
+    /// Whether no retry can fix it (the object is invalid, or what it names is gone):
+    /// reported in status and not retried until the object changes.
+    pub fn is_permanent(&self) -> bool {
+        ramify_runtime::backoff::is_permanent(self.category())
     }
 
     /// Whether the error is a 409 from the API server.
     pub fn is_conflict(&self) -> bool {
         matches!(self, Error::Conflict(_))
             || matches!(self, Error::Kube(kube::Error::Api(s)) if s.code == 409)
+    }
+}
+
+impl ramify_runtime::settle::Classified for Error {
+    fn category(&self) -> &'static str {
+        Error::category(self)
+    }
+    fn is_permanent(&self) -> bool {
+        Error::is_permanent(self)
     }
 }
 

@@ -2,16 +2,20 @@
 //! agents, drives each BranchSet from snapshot to fork to verdict to commit, and
 //! enforces first-commit-wins. Node agents do the runsc work and report through status.
 
+pub mod backoff;
 pub mod branchset;
+pub mod capacity;
 pub mod context;
 pub mod effects;
 pub mod error;
+pub mod gauges;
 pub mod leader;
 pub mod metrics;
 pub mod nodes;
 pub mod plan;
 pub mod sandbox;
 pub mod snapshot;
+pub mod writes;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +26,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
@@ -102,18 +106,6 @@ pub async fn report_invalid(ctx: &Context, kind: &str, invalid: &InvalidObject) 
     };
     ctx.event(&reference, true, "InvalidObject", invalid.error.clone())
         .await;
-}
-
-fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Context>) -> Action {
-    move |_obj, err, ctx| {
-        ctx.metrics.failed(controller, err.category());
-        if err.is_conflict() {
-            Action::requeue(Duration::from_millis(10))
-        } else {
-            warn!(controller, error = %err, "reconcile failed");
-            Action::requeue(err.retry_after(3))
-        }
-    }
 }
 
 /// One watch of `K`: kept in `writer`'s cache (the reconcilers' reads) and fanned out
@@ -215,8 +207,8 @@ pub async fn run_controllers(ctx: Arc<Context>) {
     let sandboxes = Controller::for_stream(sbx_for_sandboxes, ctx.cache.sandboxes.clone())
         .shutdown_on_signal()
         .run(
-            sandbox::reconcile,
-            error_policy(sandbox::CONTROLLER),
+            backoff::guarded(sandbox::CONTROLLER, sandbox::reconcile),
+            backoff::error_policy(sandbox::CONTROLLER),
             ctx.clone(),
         )
         .for_each(|_| futures::future::ready(()));
@@ -238,8 +230,8 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         })
         .shutdown_on_signal()
         .run(
-            snapshot::reconcile,
-            error_policy(snapshot::CONTROLLER),
+            backoff::guarded(snapshot::CONTROLLER, snapshot::reconcile),
+            backoff::error_policy(snapshot::CONTROLLER),
             ctx.clone(),
         )
         .for_each(|_| futures::future::ready(()));
@@ -248,6 +240,7 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         Api::<DeserializeGuard<BranchSet>>::all(client.clone()),
         cfg.clone(),
     );
+    let store_for_gauges = bs_ctl.store();
     let store_for_parents = bs_ctl.store();
     let store_for_snaps = bs_ctl.store();
     let branchsets = bs_ctl
@@ -270,8 +263,8 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         })
         .shutdown_on_signal()
         .run(
-            branchset::reconcile,
-            error_policy(branchset::CONTROLLER),
+            backoff::guarded(branchset::CONTROLLER, branchset::reconcile),
+            backoff::error_policy(branchset::CONTROLLER),
             ctx.clone(),
         )
         .for_each(|_| futures::future::ready(()));
@@ -281,5 +274,6 @@ pub async fn run_controllers(ctx: Arc<Context>) {
     tokio::select! {
         _ = async { tokio::join!(sandboxes, snapshots, branchsets) } => {}
         _ = async { tokio::join!(sandbox_watch, snapshot_watch) } => {}
+        () = gauges::sweep_forever(&ctx, store_for_gauges) => {}
     }
 }

@@ -78,17 +78,18 @@ async fn main() -> anyhow::Result<()> {
         Some(identity.clone()),
     ));
     if args.leader_elect {
-        let cfg = LeaderConfig {
-            namespace: args.system_namespace,
-            lease_name: "ramify-operator".into(),
-            identity,
-            lease_duration: Duration::from_secs(15),
-        };
+        let cfg = LeaderConfig::new(
+            &args.system_namespace,
+            "ramify-operator",
+            &identity,
+            Duration::from_secs(15),
+        );
         health.set_ready(true);
-        leader::acquire(&client, &cfg).await;
+        let mut elector = leader::Elector::new(client.clone(), cfg);
+        elector.acquire().await;
         tokio::select! {
             _ = ramify_operator::run_controllers(ctx) => info!("controllers stopped"),
-            err = leader::hold(&client, &cfg) => {
+            err = elector.hold() => {
                 // Another replica may lead now: stop reconciling at once.
                 anyhow::bail!("lost leadership: {err}");
             }

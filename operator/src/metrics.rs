@@ -203,8 +203,79 @@ pub fn set_phase(m: &Metrics, kind: &str, phase: &str, ns: &str, name: &str) {
     set_phase_opt(m, kind, Some(phase), ns, name);
 }
 
+/// Object `ns/name` of `kind` is gone (or going): it no longer counts in any phase.
+pub fn forget_phase(m: &Metrics, kind: &str, ns: &str, name: &str) {
+    set_phase_opt(m, kind, None, ns, name);
+}
+
+/// Forgets every object of `kind` for which `live(ns, name)` is false: objects deleted
+/// without a last reconcile (no finalizer, or the one after the finalizer went).
+pub fn retain_phases(m: &Metrics, kind: &str, live: impl Fn(&str, &str) -> bool) {
+    let gone: Vec<(String, String)> = match m.seen.lock() {
+        Ok(seen) => seen
+            .keys()
+            .filter(|(k, _)| k == kind)
+            .filter_map(|(_, key)| key.split_once('/'))
+            .filter(|(ns, name)| !live(ns, name))
+            .map(|(ns, name)| (ns.to_string(), name.to_string()))
+            .collect(),
+        Err(_) => return,
+    };
+    for (ns, name) in gone {
+        forget_phase(m, kind, &ns, &name);
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(m: &Metrics, kind: &str, phase: &str) -> i64 {
+        m.phases
+            .get_or_create(&PhaseLabels {
+                kind: kind.into(),
+                phase: phase.into(),
+            })
+            .get()
+    }
+
+    #[test]
+    fn each_object_counts_once_and_not_after_it_is_gone() {
+        let m = Metrics::new();
+        for kind in ["Sandbox", "Snapshot", "BranchSet"] {
+            set_phase(&m, kind, "Pending", "ns", "a");
+            set_phase(&m, kind, "Pending", "ns", "b");
+            set_phase(&m, kind, "Running", "ns", "a");
+            set_phase(&m, kind, "Running", "ns", "a");
+            assert_eq!(
+                (count(&m, kind, "Pending"), count(&m, kind, "Running")),
+                (1, 1)
+            );
+            forget_phase(&m, kind, "ns", "a");
+            forget_phase(&m, kind, "ns", "a");
+            assert_eq!(
+                (count(&m, kind, "Pending"), count(&m, kind, "Running")),
+                (1, 0)
+            );
+        }
+        // Objects deleted without a last reconcile go when the caches no longer hold them;
+        // other kinds are untouched.
+        retain_phases(&m, "Snapshot", |_, _| false);
+        assert_eq!(count(&m, "Snapshot", "Pending"), 0);
+        assert_eq!(count(&m, "Sandbox", "Pending"), 1);
+        retain_phases(&m, "Sandbox", |ns, name| (ns, name) == ("ns", "b"));
+        assert_eq!(count(&m, "Sandbox", "Pending"), 1);
+        retain_phases(&m, "Sandbox", |_, name| name != "b");
+        assert_eq!(count(&m, "Sandbox", "Pending"), 0);
+        assert!(
+            m.render()
+                .contains(r#"ramify_operator_objects{kind="BranchSet",phase="Pending"} 1"#)
+        );
     }
 }

@@ -2,19 +2,25 @@
 //! system namespace, labelled `ramify.dev/component=node-agent`) and renew it; the
 //! operator binds work only to agents whose lease is live.
 
+use std::time::{Duration, Instant};
+
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, ListParams};
+use ramify_crds::capacity::{
+    ANNOTATION_ALLOCATABLE_CPU, ANNOTATION_ALLOCATABLE_MEMORY, ANNOTATION_MAX_SANDBOXES, Requests,
+    cpu_millis, memory_bytes,
+};
 
 use crate::error::Result;
 
 /// Label on node-agent Leases.
 pub const NODE_LEASE_LABEL: &str = "ramify.dev/component=node-agent";
 /// Annotation on a node-agent Lease: how many sandboxes the node takes.
-pub const CAPACITY_ANNOTATION: &str = "ramify.dev/max-sandboxes";
+pub const CAPACITY_ANNOTATION: &str = ANNOTATION_MAX_SANDBOXES;
 /// Annotation on a node-agent Lease: the node's runsc version string.
-pub const RUNSC_VERSION_ANNOTATION: &str = "ramify.dev/runsc-version";
+pub const RUNSC_VERSION_ANNOTATION: &str = ramify_crds::capacity::ANNOTATION_RUNSC_VERSION;
 
 /// A node agent as announced by its Lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,6 +28,9 @@ pub struct NodeAgent {
     pub node: String,
     pub live: bool,
     pub capacity: u32,
+    /// CPU and memory for sandboxes, when the agent announces them (an agent that
+    /// does not is bound against its sandbox count only).
+    pub allocatable: Option<Requests>,
 }
 
 /// The node name of a node-agent lease name (`ramify-node-<node>`).
@@ -42,20 +51,70 @@ pub async fn list(client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {
         .filter_map(|l| {
             let spec = l.spec.as_ref()?;
             let node = spec.holder_identity.clone()?;
-            let capacity = l
-                .metadata
-                .annotations
-                .as_ref()
+            let ann = l.metadata.annotations.as_ref();
+            let capacity = ann
                 .and_then(|a| a.get(CAPACITY_ANNOTATION))
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(64);
+            let cpu = ann
+                .and_then(|a| a.get(ANNOTATION_ALLOCATABLE_CPU))
+                .and_then(|v| cpu_millis(v));
+            let memory = ann
+                .and_then(|a| a.get(ANNOTATION_ALLOCATABLE_MEMORY))
+                .and_then(|v| memory_bytes(v));
+            let allocatable = match (cpu, memory) {
+                (Some(cpu_millis), Some(memory_bytes)) => Some(Requests {
+                    cpu_millis,
+                    memory_bytes,
+                }),
+                _ => None,
+            };
             Some(NodeAgent {
-                live: !crate::leader::expired(spec, now),
+                live: !expired(spec, now),
                 node,
                 capacity,
+                allocatable,
             })
         })
         .collect())
+}
+
+/// How long a listing of the node Leases is reused: every waiting Sandbox looks at
+/// its node's allocatable on each of its reconciles, and a list per look would be a
+/// storm of them. Leases renew every few seconds; two seconds of lag decide nothing.
+const LEASES_TTL: Duration = Duration::from_secs(2);
+
+/// The node agents, listed at most once per [`LEASES_TTL`]: one caller lists while
+/// the others wait for its answer (a stale cache must not send every waiting
+/// reconcile to the API server at once).
+#[derive(Default)]
+pub struct NodeCache {
+    last: tokio::sync::Mutex<Option<(Instant, Vec<NodeAgent>)>>,
+}
+
+impl NodeCache {
+    pub async fn list(&self, client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {
+        let mut last = self.last.lock().await;
+        if let Some((at, agents)) = last.as_ref()
+            && at.elapsed() < LEASES_TTL
+        {
+            return Ok(agents.clone());
+        }
+        let agents = list(client, namespace).await?;
+        *last = Some((Instant::now(), agents.clone()));
+        Ok(agents)
+    }
+}
+
+/// Whether a node agent's lease has run out by this clock (renewTime + duration): a
+/// one-shot judgement of a lease read once, for scheduling; leader election judges its
+/// lease from observed changes instead (see `leader`).
+fn expired(spec: &k8s_openapi::api::coordination::v1::LeaseSpec, now: Timestamp) -> bool {
+    let Some(renew) = spec.renew_time.as_ref() else {
+        return true;
+    };
+    let secs = i64::from(spec.lease_duration_seconds.unwrap_or(15));
+    renew.0 + k8s_openapi::jiff::SignedDuration::from_secs(secs) < now
 }
 
 /// Picks the live node with the most free capacity, given how many sandboxes are
@@ -80,6 +139,7 @@ mod tests {
             node: node.into(),
             live,
             capacity,
+            allocatable: None,
         }
     }
 

@@ -3,6 +3,8 @@
 //! and the objects to create or delete. No I/O here, so every rule is unit-tested.
 //!
 //! Pending -> Snapshotting -> Forking -> Running -> Committing -> Committed
+//!                                          |             \-> Conflict (commit refused: the
+//!                                          |                 parent changed since the fork)
 //!                                          \-> Exhausted (timeout, or every branch aborted)
 //! Failed: the snapshot failed, or the parent was invalidated (nested BranchSets).
 
@@ -14,10 +16,11 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
 use ramify_crds::{
     ANNOTATION_ABORT, Approval, BranchPhase, BranchRef, BranchSet, BranchSetPhase, BranchSetStatus,
-    BranchSource, BranchStatus, CommitStatus, Condition, ConditionStatus, ConditionsExt,
-    EffectState, EffectStatus, FINALIZER_NODE_CLEANUP, LABEL_BRANCH, LABEL_BRANCHSET, Policy,
-    RestoreFrom, Sandbox, SandboxPhase, SandboxSpec, Snapshot, SnapshotMode, SnapshotPhase,
-    SnapshotSource, SnapshotSpec, VerdictValue, WarmPool,
+    BranchSource, BranchStatus, CommitRefusal, CommitStatus, Condition, ConditionStatus,
+    ConditionsExt, EffectState, EffectStatus, FINALIZER_NODE_CLEANUP, LABEL_BRANCH,
+    LABEL_BRANCHSET, Policy, REASON_COMMIT_CONFLICT, RestoreFrom, Sandbox, SandboxPhase,
+    SandboxSpec, Snapshot, SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec, VerdictValue,
+    WarmPool,
 };
 
 /// Condition types of a BranchSet.
@@ -98,10 +101,7 @@ fn elapsed(start: Timestamp, now: Timestamp) -> Duration {
 }
 
 fn is_terminal(phase: BranchSetPhase) -> bool {
-    matches!(
-        phase,
-        BranchSetPhase::Committed | BranchSetPhase::Exhausted | BranchSetPhase::Failed
-    )
+    phase.is_ended()
 }
 
 fn set(
@@ -553,20 +553,69 @@ fn plan_lifecycle(obs: &Observed<'_>) -> Plan {
             });
             finish_cleanup(obs, &names, &by_branch, &mut p);
         }
-        None => {
-            p.status.phase = BranchSetPhase::Committing;
-            set(
-                &mut p.status,
-                READY,
-                false,
-                "Committing",
-                format!("committing branch {winner}"),
-                generation,
-                now,
-            );
-        }
+        None => match refused_commit(bs, by_branch.get(winner.as_str()).copied()) {
+            Some(r) => {
+                conflict(&mut p, &winner, r, generation, now);
+                finish_cleanup(obs, &names, &by_branch, &mut p);
+            }
+            None => {
+                p.status.phase = BranchSetPhase::Committing;
+                set(
+                    &mut p.status,
+                    READY,
+                    false,
+                    "Committing",
+                    format!("committing branch {winner}"),
+                    generation,
+                    now,
+                );
+            }
+        },
     }
     p
+}
+
+/// The node agent's refusal of this set's commit, recorded on the winner's Sandbox.
+fn refused_commit<'a>(bs: &BranchSet, winner: Option<&'a Sandbox>) -> Option<&'a CommitRefusal> {
+    let uid = bs.metadata.uid.as_deref()?;
+    winner?
+        .status
+        .as_ref()?
+        .commit_refused
+        .as_ref()
+        .filter(|r| r.branch_set_uid == uid)
+}
+
+/// The winner's commit was refused (the parent changed since the fork point): the set
+/// ends in `Conflict`, nothing was applied, and the winner's effects never run.
+fn conflict(
+    p: &mut Plan,
+    winner: &str,
+    r: &CommitRefusal,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    p.status.phase = BranchSetPhase::Conflict;
+    p.status.completed_at = Some(Time(now));
+    let message = format!("the commit of branch {winner} was refused: {}", r.message);
+    if let Some(b) = p.status.branches.iter_mut().find(|b| b.name == winner) {
+        b.phase = BranchPhase::Conflict;
+        b.reason = r.message.clone();
+    }
+    set(
+        &mut p.status,
+        READY,
+        false,
+        REASON_COMMIT_CONFLICT,
+        format!("{message}; parent untouched by this set"),
+        generation,
+        now,
+    );
+    p.notes.push(Note {
+        warning: true,
+        reason: REASON_COMMIT_CONFLICT,
+        message,
+    });
 }
 
 /// Records the effects branches requested and moves them through the gate: held
@@ -619,7 +668,7 @@ pub fn gate(bs: &BranchSet, branches: &BTreeMap<&str, &Sandbox>, status: &mut Br
                 EffectState::Discarded
             }
             (
-                BranchSetPhase::Exhausted | BranchSetPhase::Failed,
+                BranchSetPhase::Exhausted | BranchSetPhase::Failed | BranchSetPhase::Conflict,
                 EffectState::Held | EffectState::AwaitingApproval,
             ) => EffectState::Discarded,
             (_, s) => s,
@@ -923,7 +972,7 @@ mod tests {
         let mut s: Sandbox = serde_json::from_value(serde_json::json!({
             "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
             "metadata": {"name": "parent", "namespace": "ns"},
-            "spec": {"rootfs": {"path": "/r"}, "command": ["sh"]},
+            "spec": {"rootfs": {"class": "busybox"}, "command": ["sh"]},
         }))
         .unwrap();
         s.status = Some(SandboxStatus {
@@ -1046,7 +1095,10 @@ mod tests {
         assert_eq!(rf.snapshot, "bs-base");
         assert_eq!(rf.branch.as_ref().unwrap().index, 1);
         assert_eq!(b.spec.node_name.as_deref(), Some("n1"));
-        assert_eq!(b.spec.rootfs.as_ref().unwrap().path, "/r");
+        assert_eq!(
+            b.spec.rootfs.as_ref().unwrap().class.as_deref(),
+            Some("busybox")
+        );
         assert!(
             b.spec.command.is_empty(),
             "a branch continues the snapshot, it never starts fresh"
@@ -1133,6 +1185,76 @@ mod tests {
         );
         let won = p.status.branches.iter().find(|b| b.name == "a").unwrap();
         assert_eq!(won.phase, BranchPhase::Won);
+    }
+
+    /// The plan with the winner `a` as the only branch.
+    fn run_winner(bs: &BranchSet, winner: &Sandbox, now: i64) -> Plan {
+        run(
+            bs,
+            Some(&ready_snapshot()),
+            Some(&parent()),
+            std::slice::from_ref(winner),
+            now,
+        )
+    }
+
+    #[test]
+    fn a_refused_commit_ends_the_set_in_conflict_and_its_winners_effects_never_run() {
+        let mut bs = three();
+        let mut winner = branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 5)));
+        if let Some(o) = winner.status.as_mut().and_then(|s| s.branch.as_mut()) {
+            o.effects = vec![ramify_crds::RequestedEffect {
+                name: "01-deploy.json".into(),
+                kind: "deploy".into(),
+                payload: "{}".into(),
+            }];
+        }
+        let p = run_winner(&bs, &winner, 6);
+        assert_eq!(p.status.phase, BranchSetPhase::Committing);
+        advance(&mut bs, &p);
+
+        // A refusal recorded for another BranchSet is not this set's.
+        let refusal = |uid: &str| CommitRefusal {
+            branch_set_uid: uid.into(),
+            reason: REASON_COMMIT_CONFLICT.into(),
+            message: "the parent changed since the fork point: 1 other commit(s) applied".into(),
+            fork_generation: 0,
+            parent_generation: 1,
+            conflicting_paths: vec![],
+            at: None,
+        };
+        winner.status.as_mut().unwrap().commit_refused = Some(refusal("uid-other"));
+        let p = run_winner(&bs, &winner, 7);
+        assert_eq!(p.status.phase, BranchSetPhase::Committing);
+
+        winner.status.as_mut().unwrap().commit_refused = Some(refusal("uid-1"));
+        let p = run_winner(&bs, &winner, 8);
+        assert_eq!(p.status.phase, BranchSetPhase::Conflict);
+        assert!(p.status.commit.is_none(), "nothing reports a commit");
+        let ready = p.status.conditions.get_condition(READY).unwrap();
+        assert_eq!(ready.reason, REASON_COMMIT_CONFLICT);
+        assert!(
+            ready.message.contains("since the fork point"),
+            "{}",
+            ready.message
+        );
+        let a = p.status.branches.iter().find(|b| b.name == "a").unwrap();
+        assert_eq!(a.phase, BranchPhase::Conflict);
+        assert_eq!(p.delete_branches, ["bs-a"]);
+        assert!(
+            p.notes
+                .iter()
+                .any(|n| n.warning && n.reason == REASON_COMMIT_CONFLICT)
+        );
+        assert!(!p.notes.iter().any(|n| n.reason == "Committed"));
+        assert_eq!(p.status.effects.len(), 1);
+        assert_eq!(p.status.effects[0].state, EffectState::Discarded);
+
+        // It stays ended: a later reconcile changes nothing but cleans up.
+        advance(&mut bs, &p);
+        let p = run_winner(&bs, &winner, 9);
+        assert_eq!(p.status.phase, BranchSetPhase::Conflict);
+        assert!(p.notes.is_empty());
     }
 
     #[test]

@@ -11,6 +11,9 @@ use kube::core::DeserializeGuard;
 use kube::core::object::HasStatus;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
+use ramify_crds::capacity::{
+    CONDITION_SCHEDULED, REASON_EXCEEDS_ALLOCATABLE, REASON_WAITING_FOR_CAPACITY,
+};
 use ramify_crds::{
     Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Sandbox, SandboxPhase,
     SnapshotPhase,
@@ -18,6 +21,7 @@ use ramify_crds::{
 use serde_json::json;
 use tracing::instrument;
 
+use crate::capacity::{self, Decision};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::nodes;
@@ -47,8 +51,16 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
     let status = sbx.status().cloned().unwrap_or_default();
 
     if sbx.metadata.deletion_timestamp.is_some() {
+        crate::metrics::forget_phase(&ctx.metrics, "Sandbox", &ns, &name);
         return release_if_unbound_or_lost(sbx, &api, ctx).await;
     }
+    crate::metrics::set_phase(
+        &ctx.metrics,
+        "Sandbox",
+        &format!("{:?}", status.phase),
+        &ns,
+        &name,
+    );
     if !sbx.finalizers().iter().any(|f| f == FINALIZER_NODE_CLEANUP) {
         crate::add_finalizer(&api, sbx).await?;
         return Ok(Action::await_change());
@@ -104,28 +116,68 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
             }
         }
     } else {
-        let agents = nodes::list(&ctx.client, &ctx.settings.system_namespace).await?;
+        let agents = ctx
+            .nodes
+            .list(&ctx.client, &ctx.settings.system_namespace)
+            .await?;
         ctx.cache.synced().await?;
         let count = |node: &str| u32::try_from(ctx.cache.sandboxes_on(node)).unwrap_or(u32::MAX);
-        match nodes::choose(&agents, &count) {
-            Some(node) => node,
-            None => {
-                return unschedulable(
-                    sbx,
-                    &api,
-                    ctx,
-                    "NoNodeAgent",
-                    "no live node agent with free capacity".into(),
-                    false,
-                )
-                .await;
-            }
+        let (sbx_state, snap_state) = ctx.cache.everything();
+        let (all, snaps) = (oks(&sbx_state), oks(&snap_state));
+        let chosen = capacity::choose(
+            sbx,
+            &agents,
+            &all,
+            &|node| capacity::pools_on(node, &snaps, &all),
+            &|s| target_node(ctx, s),
+        );
+        match chosen {
+            Some(Ok(node)) => node,
+            Some(Err(d)) => return wait_for_capacity(sbx, &api, ctx, d).await,
+            None => match nodes::choose(&agents, &count) {
+                Some(node) => node,
+                None => {
+                    return unschedulable(
+                        sbx,
+                        &api,
+                        ctx,
+                        "NoNodeAgent",
+                        "no live node agent with free capacity".into(),
+                        false,
+                    )
+                    .await;
+                }
+            },
         }
     };
+    // Bind only what fits: the node's sandboxes leave room for its request, and it is
+    // next in the fair order. One the node agent already began with is there.
+    if !capacity::started(sbx) {
+        let agents = ctx
+            .nodes
+            .list(&ctx.client, &ctx.settings.system_namespace)
+            .await?;
+        if let Some(alloc) = agents
+            .iter()
+            .find(|a| a.node == node)
+            .and_then(|a| a.allocatable)
+        {
+            ctx.cache.synced().await?;
+            let (sbx_state, snap_state) = ctx.cache.everything();
+            let (all, snaps) = (oks(&sbx_state), oks(&snap_state));
+            let reserved = capacity::pools_on(&node, &snaps, &all);
+            let d = capacity::decide(sbx, &node, &alloc, &all, &reserved, &|s| {
+                target_node(ctx, s)
+            });
+            if d != Decision::Bind {
+                return wait_for_capacity(sbx, &api, ctx, d).await;
+            }
+        }
+    }
     let mut conditions = status.conditions.clone();
     conditions.set_condition(
         Condition::new(
-            "Scheduled",
+            CONDITION_SCHEDULED,
             ConditionStatus::True,
             "Bound",
             format!("bound to node {node}"),
@@ -137,21 +189,23 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         "apiVersion": "ramify.dev/v1alpha1",
         "kind": "Sandbox",
         "metadata": {"resourceVersion": sbx.resource_version()},
-        "status": {"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()},
+        "status": {"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()},
     });
-    match api
-        .patch_status(
+    let bound = crate::writes::within(
+        "sandbox binding",
+        api.patch_status(
             &name,
             &PatchParams::apply(BINDING_MANAGER).force(),
             &Patch::Apply(&patch),
-        )
-        .await
-    {
+        ),
+    )
+    .await;
+    match bound {
         Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {
+        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
             return Err(Error::Conflict(format!("sandbox {name}")));
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(e),
     }
     if sbx
         .spec
@@ -173,6 +227,22 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
     Ok(Action::requeue(Duration::from_secs(300)))
 }
 
+/// A sandbox that does not fit yet: `Scheduled` False says why; it is looked at again
+/// from the cache every few seconds (no API call unless the reason changes).
+async fn wait_for_capacity(
+    sbx: &Sandbox,
+    api: &Api<Sandbox>,
+    ctx: &Context,
+    d: Decision,
+) -> Result<Action> {
+    let (reason, message) = match d {
+        Decision::TooBig(m) => (REASON_EXCEEDS_ALLOCATABLE, m),
+        Decision::Wait(m) => (REASON_WAITING_FOR_CAPACITY, m),
+        Decision::Bind => return Ok(Action::requeue(Duration::from_millis(10))),
+    };
+    unschedulable(sbx, api, ctx, reason, message, false).await
+}
+
 async fn unschedulable(
     sbx: &Sandbox,
     api: &Api<Sandbox>,
@@ -182,10 +252,24 @@ async fn unschedulable(
     fatal: bool,
 ) -> Result<Action> {
     let mut conditions = sbx.status.clone().unwrap_or_default().conditions;
-    let before = conditions.get_condition("Scheduled").cloned();
+    let before = conditions.get_condition(CONDITION_SCHEDULED).cloned();
+    let retry = if fatal {
+        Action::await_change()
+    } else {
+        Action::requeue(Duration::from_secs(2))
+    };
+    // Said already: writing it again on every look would be a write per waiting
+    // sandbox every two seconds.
+    if before
+        .as_ref()
+        .is_some_and(|c| c.status == ConditionStatus::False && c.reason == reason)
+        && (!fatal || sbx.status.as_ref().map(|s| s.phase) == Some(SandboxPhase::Failed))
+    {
+        return Ok(retry);
+    }
     conditions.set_condition(
         Condition::new(
-            "Scheduled",
+            CONDITION_SCHEDULED,
             ConditionStatus::False,
             reason,
             message.clone(),
@@ -193,25 +277,49 @@ async fn unschedulable(
         ),
         Time(Timestamp::now()),
     );
-    let mut status = json!({"conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()});
+    let mut status = json!({"conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()});
     if fatal {
         status["phase"] = json!(SandboxPhase::Failed);
     }
     let patch = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": status});
-    api.patch_status(
-        &sbx.name_any(),
-        &PatchParams::apply(BINDING_MANAGER).force(),
-        &Patch::Apply(&patch),
+    crate::writes::within(
+        "sandbox scheduling",
+        api.patch_status(
+            &sbx.name_any(),
+            &PatchParams::apply(BINDING_MANAGER).force(),
+            &Patch::Apply(&patch),
+        ),
     )
     .await?;
-    if before.map(|c| c.reason) != Some(reason.to_string()) {
+    // Branches wait in their BranchSet's view; an Event each would be an API write
+    // per branch (a 100-replica set on a small node).
+    let is_branch = sbx
+        .spec
+        .restore_from
+        .as_ref()
+        .is_some_and(|r| r.branch.is_some());
+    if before.map(|c| c.reason) != Some(reason.to_string())
+        && !(is_branch && reason == REASON_WAITING_FOR_CAPACITY)
+    {
         ctx.event(&sbx.object_ref(&()), true, reason, message).await;
     }
-    Ok(if fatal {
-        Action::await_change()
-    } else {
-        Action::requeue(Duration::from_secs(2))
-    })
+    Ok(retry)
+}
+
+/// The objects of a cache snapshot that deserialized.
+fn oks<K>(state: &[std::sync::Arc<DeserializeGuard<K>>]) -> Vec<&K> {
+    state.iter().filter_map(|g| g.0.as_ref().ok()).collect()
+}
+
+/// The node a not-yet-bound sandbox is meant for: its pin, else its snapshot's node;
+/// `None`: any node.
+fn target_node(ctx: &Context, s: &Sandbox) -> Option<String> {
+    if let Some(n) = &s.spec.node_name {
+        return Some(n.clone());
+    }
+    let rf = s.spec.restore_from.as_ref()?;
+    let ns = s.metadata.namespace.as_deref().unwrap_or_default();
+    ctx.cache.snapshot(ns, &rf.snapshot)?.status?.node_name
 }
 
 /// A Sandbox being deleted: the node agent releases the finalizer after cleaning up.

@@ -45,6 +45,7 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     let status = snap.status.clone().unwrap_or_default();
 
     if snap.metadata.deletion_timestamp.is_some() {
+        crate::metrics::forget_phase(&ctx.metrics, "Snapshot", &ns, &name);
         if snap
             .finalizers()
             .iter()
@@ -143,6 +144,16 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
             )
         }
     };
+    // Still waiting for the same reason: said already (rewriting it on every look
+    // would be a write per waiting snapshot per second).
+    let before = status.conditions.get_condition("Scheduled");
+    if node.is_none()
+        && before.is_some_and(|b| {
+            b.status == cond.status && b.reason == cond.reason && b.message == cond.message
+        })
+    {
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
     conditions.set_condition(cond, Time(Timestamp::now()));
     let mut body = json!({
         "apiVersion": "ramify.dev/v1alpha1",
@@ -153,19 +164,21 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     if let Some(node) = &node {
         body["status"]["nodeName"] = json!(node);
     }
-    match api
-        .patch_status(
+    let bound = crate::writes::within(
+        "snapshot binding",
+        api.patch_status(
             &name,
             &PatchParams::apply(BINDING_MANAGER).force(),
             &Patch::Apply(&body),
-        )
-        .await
-    {
+        ),
+    )
+    .await;
+    match bound {
         Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {
+        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
             return Err(Error::Conflict(format!("snapshot {name}")));
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(e),
     }
     Ok(if node.is_some() {
         Action::await_change()

@@ -2,20 +2,23 @@
 //!
 //! Exit codes scripts can rely on: 0 success, 1 the awaited BranchSet ended without a
 //! winner (or failed), 2 usage, 3 not found, 4 wrong state for the request, 5 timeout,
-//! 6 other errors (API, node access).
+//! 6 other errors, 7 not allowed (RBAC). `exec` exits with the command's own code.
+//!
+//! `exec`, `logs` and `diff` go through the aggregated API `subresources.ramify.dev`
+//! (ramify-api), with the kubeconfig's own identity: RBAC on `sandboxes/exec`,
+//! `sandboxes/log` and `sandboxes/diff` in the sandbox's namespace decides.
 
 mod tree;
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::await_condition;
 use kube::{Client, ResourceExt};
+use ramify_crds::subresources as sub;
 use ramify_crds::{ANNOTATION_ABORT, BranchSet, BranchSetPhase, Policy, Sandbox, Snapshot};
 use serde_json::json;
 
@@ -29,6 +32,8 @@ enum Error {
     Timeout(String),
     #[error("{0}")]
     NoWinner(String),
+    #[error("{0}")]
+    Forbidden(String),
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error("{0}")]
@@ -43,6 +48,7 @@ impl Error {
             Error::WrongState(_) => 4,
             Error::Timeout(_) => 5,
             Error::Kube(_) | Error::Other(_) => 6,
+            Error::Forbidden(_) => 7,
         }
     }
 }
@@ -112,15 +118,17 @@ enum Cmd {
         #[arg(long, default_value_t = 600)]
         timeout: u64,
     },
-    /// Run a command in a sandbox (or branch), through its node agent.
+    /// Run a command in a sandbox (or branch): output streams as it comes; exits with
+    /// the command's code. Needs `get` on `sandboxes/exec` (subresources.ramify.dev).
     Exec {
         sandbox: String,
         #[arg(trailing_var_arg = true, required = true)]
         command: Vec<String>,
     },
-    /// Print a sandbox's console output.
+    /// Print a sandbox's console output (needs `get` on `sandboxes/log`).
     Logs { sandbox: String },
-    /// List the files a sandbox changed since it was restored (under the globs).
+    /// List the files a branch changed since it was restored, under the globs (needs
+    /// `get` on `sandboxes/diff`).
     Diff {
         sandbox: String,
         #[arg(long = "paths", default_values_t = ["/**".to_string()])]
@@ -320,7 +328,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                     "branchset {branchset} already chose {w}; too late to abort"
                 )));
             }
-            if matches!(st.phase, BranchSetPhase::Exhausted | BranchSetPhase::Failed) {
+            if matches!(
+                st.phase,
+                BranchSetPhase::Exhausted | BranchSetPhase::Failed | BranchSetPhase::Conflict
+            ) {
                 return Err(Error::WrongState(format!(
                     "branchset {branchset} already ended ({:?})",
                     st.phase
@@ -372,29 +383,43 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             .await
         }
         Cmd::Exec { sandbox, command } => {
-            let obj = get_sandbox(&sandboxes, &sandbox).await?;
-            let mut args = vec!["exec".to_string(), format!("{ns}/{sandbox}"), "--".into()];
             // `exec NAME -- CMD`: clap keeps the `--` in a trailing var-arg.
-            args.extend(command.into_iter().skip_while(|a| a == "--"));
-            on_node(&client, &obj, args).await
+            let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
+            exec(&client, &ns, &sandbox, &command).await
         }
         Cmd::Logs { sandbox } => {
-            let obj = get_sandbox(&sandboxes, &sandbox).await?;
-            on_node(
+            get_subresource(
                 &client,
-                &obj,
-                vec!["logs".into(), format!("{ns}/{sandbox}")],
+                &ns,
+                &sandbox,
+                sub::SUBRESOURCE_LOG,
+                &[],
+                &mut std::io::stdout(),
             )
-            .await
+            .await?;
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Diff { sandbox, paths } => {
-            let obj = get_sandbox(&sandboxes, &sandbox).await?;
-            let mut args = vec!["diff".into(), format!("{ns}/{sandbox}")];
-            for p in paths {
-                args.push("--paths".into());
-                args.push(p);
+            let query: Vec<(&str, &str)> = paths.iter().map(|p| ("path", p.as_str())).collect();
+            let mut body = Vec::new();
+            get_subresource(
+                &client,
+                &ns,
+                &sandbox,
+                sub::SUBRESOURCE_DIFF,
+                &query,
+                &mut body,
+            )
+            .await?;
+            if json_out {
+                println!("{}", String::from_utf8_lossy(&body));
+            } else {
+                print!(
+                    "{}",
+                    tree::render_diff(&body).map_err(|e| Error::Other(e.to_string()))?
+                );
             }
-            on_node(&client, &obj, args).await
+            Ok(ExitCode::SUCCESS)
         }
     }
 }
@@ -405,12 +430,6 @@ async fn get_branchset(api: &Api<BranchSet>, name: &str) -> Result<BranchSet> {
         .ok_or_else(|| Error::NotFound(format!("branchset {name} not found")))
 }
 
-async fn get_sandbox(api: &Api<Sandbox>, name: &str) -> Result<Sandbox> {
-    api.get_opt(name)
-        .await?
-        .ok_or_else(|| Error::NotFound(format!("sandbox {name} not found")))
-}
-
 async fn wait_for(
     api: &Api<BranchSet>,
     name: &str,
@@ -418,12 +437,8 @@ async fn wait_for(
     json_out: bool,
 ) -> Result<ExitCode> {
     let ended = |b: Option<&BranchSet>| {
-        b.and_then(|b| b.status.as_ref()).is_some_and(|s| {
-            matches!(
-                s.phase,
-                BranchSetPhase::Committed | BranchSetPhase::Exhausted | BranchSetPhase::Failed
-            )
-        })
+        b.and_then(|b| b.status.as_ref())
+            .is_some_and(|s| s.phase.is_ended())
     };
     let obj = tokio::time::timeout(timeout, await_condition(api.clone(), name, ended))
         .await
@@ -464,72 +479,113 @@ async fn wait_for(
     }
 }
 
-/// Runs `ramify-node-agent <args>` where the sandbox lives: on this machine when its
-/// agent runs here (standalone), else inside the agent's pod on its node.
-async fn on_node(client: &Client, sbx: &Sandbox, args: Vec<String>) -> Result<ExitCode> {
-    let node = sbx
-        .status
-        .as_ref()
-        .and_then(|s| s.node_name.clone())
-        .ok_or_else(|| {
-            Error::WrongState(format!(
-                "sandbox {} is not bound to a node yet",
-                sbx.name_any()
-            ))
-        })?;
-    let state_dir =
-        std::env::var("RAMIFY_AGENT_STATE_DIR").unwrap_or_else(|_| "/var/lib/ramify/agent".into());
-    let local_agent = std::env::var_os("RAMIFY_NODE_AGENT")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::current_exe()
-                .ok()
-                .and_then(|p| p.parent().map(|d| d.join("ramify-node-agent")))
-                .filter(|p| p.is_file())
-        });
-    let status = match local_agent.filter(|_| PathBuf::from(&state_dir).join("registry").is_dir()) {
-        Some(agent) => Command::new(agent)
-            .args(&args[..1])
-            .arg("--state-dir")
-            .arg(&state_dir)
-            .args(&args[1..])
-            .stdin(Stdio::inherit())
-            .status()
-            .map_err(|e| Error::Other(format!("running the node agent: {e}")))?,
-        None => {
-            let system_ns =
-                std::env::var("RAMIFY_SYSTEM_NAMESPACE").unwrap_or_else(|_| "ramify-system".into());
-            let pods: Api<Pod> = Api::namespaced(client.clone(), &system_ns);
-            let lp = ListParams::default()
-                .labels("app.kubernetes.io/component=node-agent")
-                .fields(&format!("spec.nodeName={node}"));
-            let pod = pods
-                .list(&lp)
-                .await?
-                .items
-                .into_iter()
-                .next()
-                .ok_or_else(|| {
-                    Error::NotFound(format!(
-                        "no ramify node agent pod on node {node} in {system_ns}"
-                    ))
-                })?;
-            Command::new("kubectl")
-                .args([
-                    "exec",
-                    "-i",
-                    "-n",
-                    &system_ns,
-                    &pod.name_any(),
-                    "--",
-                    "ramify-node-agent",
-                ])
-                .args(&args)
-                .status()
-                .map_err(|e| Error::Other(format!("kubectl exec: {e}")))?
-        }
-    };
-    Ok(ExitCode::from(
-        u8::try_from(status.code().unwrap_or(6)).unwrap_or(6),
+/// The URL path of a sandbox subresource on the aggregated API.
+fn subresource_url(ns: &str, sandbox: &str, what: &str, query: &[(&str, &str)]) -> String {
+    let mut url = sub::subresource_path(
+        &format!(
+            "/apis/{}/{}",
+            sub::SUBRESOURCE_GROUP,
+            sub::SUBRESOURCE_VERSION
+        ),
+        ns,
+        sandbox,
+        what,
+    );
+    if !query.is_empty() {
+        url.push('?');
+        url.push_str(
+            &form_urlencoded::Serializer::new(String::new())
+                .extend_pairs(query)
+                .finish(),
+        );
+    }
+    url
+}
+
+/// Runs `command` in the sandbox through the aggregated API (RBAC: `get` on
+/// `sandboxes/exec` in `subresources.ramify.dev`), printing its output as it comes;
+/// exits with the command's exit code.
+async fn exec(client: &Client, ns: &str, sandbox: &str, command: &[String]) -> Result<ExitCode> {
+    use futures::StreamExt;
+    use std::io::Write;
+    use tokio_tungstenite::tungstenite::Message;
+    let query: Vec<(&str, &str)> = command
+        .iter()
+        .map(|c| ("command", c.as_str()))
+        .chain([("stdout", "true"), ("stderr", "true")])
+        .collect();
+    let req = http::Request::get(subresource_url(ns, sandbox, sub::SUBRESOURCE_EXEC, &query))
+        .body(Vec::new())
+        .map_err(|e| Error::Other(e.to_string()))?;
+    let mut ws = client.connect(req).await.map_err(api_error)?.into_stream();
+    let (mut stdout, mut stderr) = (std::io::stdout(), std::io::stderr());
+    while let Some(msg) = ws.next().await {
+        let msg = msg.map_err(|e| Error::Other(format!("exec stream: {e}")))?;
+        let Message::Binary(data) = msg else {
+            if msg.is_close() {
+                break;
+            }
+            continue;
+        };
+        let Some((&channel, body)) = data.split_first() else {
+            continue;
+        };
+        let written = match channel {
+            sub::CHANNEL_STDOUT => stdout.write_all(body).and_then(|()| stdout.flush()),
+            sub::CHANNEL_STDERR => stderr.write_all(body),
+            sub::CHANNEL_STATUS => {
+                let status: serde_json::Value =
+                    serde_json::from_slice(body).map_err(|e| Error::Other(e.to_string()))?;
+                return match sub::exit_code(&status) {
+                    Ok(code) => Ok(ExitCode::from(u8::try_from(code).unwrap_or(1))),
+                    Err(message) => Err(Error::Other(message)),
+                };
+            }
+            _ => Ok(()),
+        };
+        written.map_err(|e| Error::Other(format!("writing output: {e}")))?;
+    }
+    Err(Error::Other(
+        "the exec stream ended without the command's exit status".into(),
     ))
+}
+
+/// A GET of a sandbox subresource (`log`, `diff`), its body streamed to `out`.
+async fn get_subresource(
+    client: &Client,
+    ns: &str,
+    sandbox: &str,
+    what: &str,
+    query: &[(&str, &str)],
+    out: &mut (dyn std::io::Write + Send),
+) -> Result<()> {
+    use futures::AsyncReadExt;
+    let req = http::Request::get(subresource_url(ns, sandbox, what, query))
+        .body(Vec::new())
+        .map_err(|e| Error::Other(e.to_string()))?;
+    let mut body = client.request_stream(req).await.map_err(api_error)?;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = body
+            .read(&mut buf)
+            .await
+            .map_err(|e| Error::Other(format!("reading {what}: {e}")))?;
+        if n == 0 {
+            return Ok(());
+        }
+        out.write_all(&buf[..n])
+            .and_then(|()| out.flush())
+            .map_err(|e| Error::Other(format!("writing {what}: {e}")))?;
+    }
+}
+
+/// The API's refusals, with their own exit codes: RBAC says no, no such sandbox, not
+/// bound to a node yet.
+fn api_error(e: kube::Error) -> Error {
+    match e {
+        kube::Error::Api(s) if s.code == 401 || s.code == 403 => Error::Forbidden(s.message),
+        kube::Error::Api(s) if s.code == 404 => Error::NotFound(s.message),
+        kube::Error::Api(s) if s.code == 409 => Error::WrongState(s.message),
+        other => Error::Kube(other),
+    }
 }

@@ -213,10 +213,37 @@ pub fn human_bytes(b: i64) -> String {
     }
 }
 
+/// The lines of a diff (the agent's JSON: `added`, `modified`, `deleted` lists of
+/// `{path, size}`): `A|M|D <size> <path>`.
+pub fn render_diff(body: &[u8]) -> Result<String, serde_json::Error> {
+    let d: Value = serde_json::from_slice(body)?;
+    let mut out = String::new();
+    for (mark, key) in [("A", "added"), ("M", "modified"), ("D", "deleted")] {
+        for c in d[key].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "{mark} {:>10} {}\n",
+                c["size"].as_u64().unwrap_or(0),
+                c["path"].as_str().unwrap_or("")
+            ));
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_diff_renders_one_line_per_change() {
+        let body = br#"{"added":[{"path":"/work/g","size":2}],"modified":[{"path":"/work/counter","size":12}],"deleted":[{"path":"/work/old","size":0}]}"#;
+        assert_eq!(
+            render_diff(body).unwrap(),
+            "A          2 /work/g\nM         12 /work/counter\nD          0 /work/old\n"
+        );
+        assert!(render_diff(b"not json").is_err());
+    }
 
     fn obj<T: serde::de::DeserializeOwned>(v: Value) -> T {
         serde_json::from_value(v).unwrap()
@@ -227,12 +254,12 @@ mod tests {
         let sandboxes: Vec<Sandbox> = vec![
             obj(
                 json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "ws"},
-                "spec": {"rootfs": {"path": "/r"}, "command": ["sh"]},
+                "spec": {"rootfs": {"class": "busybox"}, "command": ["sh"]},
                 "status": {"phase": "Running", "nodeName": "n1", "commits": 1}}),
             ),
             obj(
                 json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "bs-a"},
-                "spec": {"rootfs": {"path": "/r"}, "restoreFrom": {"snapshot": "bs-base", "branch": {"branchSet": "bs", "name": "a", "index": 0}}},
+                "spec": {"rootfs": {"class": "busybox"}, "restoreFrom": {"snapshot": "bs-base", "branch": {"branchSet": "bs", "name": "a", "index": 0}}},
                 "status": {"phase": "Running"}}),
             ),
         ];

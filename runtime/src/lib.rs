@@ -1,7 +1,13 @@
 //! Plumbing shared by the operator and the node agent.
 
+pub mod backoff;
 pub mod events;
+pub mod failure;
 pub mod finalizer;
 pub mod http;
+pub mod https;
+pub mod logging;
+pub mod settle;
+pub mod tls;
 
 pub use http::{Health, render, serve};

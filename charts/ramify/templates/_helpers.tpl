@@ -16,6 +16,7 @@
 
 {{- define "ramify.operator.name" -}}{{ include "ramify.fullname" . }}-operator{{- end -}}
 {{- define "ramify.agent.name" -}}{{ include "ramify.fullname" . }}-node-agent{{- end -}}
+{{- define "ramify.api.name" -}}{{ include "ramify.fullname" . }}-api{{- end -}}
 
 {{- define "ramify.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}

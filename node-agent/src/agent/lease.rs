@@ -9,6 +9,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
+use ramify_crds::ANNOTATION_PLATFORM;
+use ramify_crds::capacity::{
+    ANNOTATION_ALLOCATABLE_CPU, ANNOTATION_ALLOCATABLE_MEMORY, ANNOTATION_MAX_SANDBOXES,
+    ANNOTATION_RUNSC_VERSION, Requests,
+};
 use serde_json::json;
 use tracing::warn;
 
@@ -20,31 +25,42 @@ pub struct Announcement {
     pub namespace: String,
     pub node: String,
     pub capacity: u32,
+    /// CPU and memory for sandboxes: what the operator binds against.
+    pub allocatable: Requests,
     pub runsc_version: String,
     /// The gVisor platform its sandboxes run on (resolved: never `auto`).
     pub platform: String,
     pub duration: Duration,
+    /// The node endpoint `ramify-api` dials for exec, log and diff (`https://host:port`).
+    pub endpoint: Option<String>,
+}
+
+/// The name of `node`'s Lease.
+pub fn lease_name(node: &str) -> String {
+    format!("ramify-node-{node}")
 }
 
 impl Announcement {
     pub fn lease_name(&self) -> String {
-        format!("ramify-node-{}", self.node)
+        lease_name(&self.node)
     }
 }
 
 /// Writes (creates or renews) the lease once.
 pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
     let api: Api<Lease> = Api::namespaced(client.clone(), &a.namespace);
-    let body = json!({
+    let mut body = json!({
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {
             "name": a.lease_name(),
             "labels": {"ramify.dev/component": "node-agent"},
             "annotations": {
-                "ramify.dev/max-sandboxes": a.capacity.to_string(),
-                "ramify.dev/runsc-version": a.runsc_version,
-                (ramify_crds::ANNOTATION_PLATFORM): a.platform,
+                ANNOTATION_MAX_SANDBOXES: a.capacity.to_string(),
+                ANNOTATION_RUNSC_VERSION: a.runsc_version,
+                ANNOTATION_ALLOCATABLE_CPU: format!("{}m", a.allocatable.cpu_millis),
+                ANNOTATION_ALLOCATABLE_MEMORY: a.allocatable.memory_bytes.to_string(),
+                ANNOTATION_PLATFORM: a.platform,
             },
         },
         "spec": {
@@ -53,6 +69,10 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
             "renewTime": MicroTime(Timestamp::now()),
         },
     });
+    if let Some(url) = &a.endpoint {
+        body["metadata"]["annotations"][ramify_crds::subresources::ANNOTATION_AGENT_ENDPOINT] =
+            json!(url);
+    }
     api.patch(
         &a.lease_name(),
         &PatchParams::apply(MANAGER).force(),

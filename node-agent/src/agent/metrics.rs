@@ -16,6 +16,13 @@ pub struct Labels {
     pub controller: String,
 }
 
+/// `resource` is `cpu_millis` or `memory_bytes`; `of` is `allocatable` or `used`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CapacityLabels {
+    pub resource: String,
+    pub of: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailureLabels {
     pub controller: String,
@@ -28,6 +35,12 @@ pub struct PlatformLabels {
     pub platform: String,
     /// What `--platform` asked for (`auto` probes systrap).
     pub requested: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RecordLabels {
+    /// `sandbox` or `snapshot` (registry records), `sandbox-dir` (an engine record).
+    pub record: String,
 }
 
 /// Every metric the agent exports.
@@ -48,10 +61,18 @@ pub struct AgentMetrics {
     pub snapshot_bytes: Gauge,
     /// 1 for the gVisor platform sandboxes run on (see [`AgentMetrics::set_platform`]).
     pub platform: Family<PlatformLabels, Gauge>,
+    pub capacity: Family<CapacityLabels, Gauge>,
+    pub admission_waiting: Gauge,
+    pub restores_running: Gauge,
+    pub restores_waiting: Gauge,
+    pub frozen_branches: Gauge,
+    /// Records skipped at resume because they do not parse (each also an Event).
+    pub corrupt_records: Family<RecordLabels, Counter>,
 }
 
 impl AgentMetrics {
-    pub fn new(runsc_version: &str) -> Self {
+    /// The agent's metrics, with the engine's `cleanup` failures among them.
+    pub fn new(runsc_version: &str, cleanup: &crate::cleanup::CleanupFailures) -> Self {
         let mut r = Registry::with_prefix("ramify_node_agent");
         let buckets = || exponential_buckets(0.0001, 2.0, 20);
         let m = Self {
@@ -71,6 +92,12 @@ impl AgentMetrics {
             sandboxes: Gauge::default(),
             snapshot_bytes: Gauge::default(),
             platform: Family::default(),
+            capacity: Family::default(),
+            admission_waiting: Gauge::default(),
+            restores_running: Gauge::default(),
+            restores_waiting: Gauge::default(),
+            frozen_branches: Gauge::default(),
+            corrupt_records: Family::default(),
         };
         r.register("reconcile_runs", "Reconciliations run", m.runs.clone());
         r.register(
@@ -134,6 +161,41 @@ impl AgentMetrics {
             m.platform.clone(),
         );
         r.register(
+            "capacity",
+            "Sandbox allocatable of this node and what admitted sandboxes hold of it",
+            m.capacity.clone(),
+        );
+        r.register(
+            "admission_waiting",
+            "Sandboxes waiting for capacity on this node",
+            m.admission_waiting.clone(),
+        );
+        r.register(
+            "restores_running",
+            "Restores and fresh starts running now (bounded by --max-concurrent-restores)",
+            m.restores_running.clone(),
+        );
+        r.register(
+            "restores_waiting",
+            "Restores and fresh starts waiting for their turn",
+            m.restores_waiting.clone(),
+        );
+        r.register(
+            "frozen_branches",
+            "Decided branches (and losers) kept frozen until committed or deleted",
+            m.frozen_branches.clone(),
+        );
+        r.register(
+            "corrupt_records",
+            "Records skipped at resume because they do not parse",
+            m.corrupt_records.clone(),
+        );
+        r.register(
+            "cleanup_failures",
+            "Cleanup steps (destroy, image removal, pool close) that failed for good",
+            cleanup.clone(),
+        );
+        r.register(
             "build",
             "Build information",
             Info::new(vec![
@@ -184,7 +246,7 @@ mod tests {
 
     #[test]
     fn the_platform_in_use_is_a_labelled_series() {
-        let m = AgentMetrics::new("release-test");
+        let m = AgentMetrics::new("release-test", &Default::default());
         m.set_platform(&PlatformDecision {
             platform: Platform::Systrap,
             requested: Platform::Auto,

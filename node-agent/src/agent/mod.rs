@@ -8,19 +8,30 @@
 //! images are kept, a commit applied locally is reported instead of applied twice, and
 //! anything the API no longer knows is destroyed (no orphans).
 
+pub mod admission;
+pub mod backoff;
+mod commit;
+pub mod commit_guard;
+pub mod decided;
+pub mod endpoint;
 mod exit;
 pub mod lease;
 pub mod metrics;
+pub mod pools;
 pub mod registry;
+pub mod resume;
+mod rootfs_class;
+pub mod verdict_watch;
+pub mod writes;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -28,8 +39,8 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use ramify_crds::{
-    BranchSet, BranchSetPhase, ChangeKind, CommitMode, Condition, ConditionStatus, ConditionsExt,
-    DiffSummary, FINALIZER_NODE_CLEANUP, FileChange, Sandbox as SandboxObj, SandboxPhase,
+    BranchSet, CommitMode, Condition, ConditionStatus, ConditionsExt, DiffSummary,
+    FINALIZER_NODE_CLEANUP, REASON_ROOTFS_REFUSED, Sandbox as SandboxObj, SandboxPhase,
     Snapshot as SnapshotObj, SnapshotPhase, VerdictValue,
 };
 use serde_json::json;
@@ -57,6 +68,10 @@ const MAX_LISTED_FILES: usize = 256;
 pub struct AgentConfig {
     pub node: String,
     pub system_namespace: String,
+    /// What sandboxes may hold of this node (capacity minus the reserve).
+    pub allocatable: ramify_crds::capacity::Requests,
+    /// Restores (and fresh starts) run at once.
+    pub max_restores: usize,
 }
 
 type Handle = Arc<AsyncMutex<Option<Sandbox>>>;
@@ -72,7 +87,7 @@ pub struct Agent {
     /// Live local sandboxes by Sandbox object uid.
     handles: Mutex<HashMap<String, Handle>>,
     /// Warm pools by Snapshot object uid.
-    pools: AsyncMutex<HashMap<String, WarmPool>>,
+    pools: pools::Pools<WarmPool>,
     /// Branch runs in flight, by Sandbox uid; `true` sent when the branch is deleted
     /// (its run and verdict commands are dropped: a loser goes at once).
     runners: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
@@ -89,12 +104,22 @@ pub struct Agent {
     reported: Mutex<HashSet<String>>,
     /// What a sandbox's Running report carries (its provenance), until it lands.
     unreported: Mutex<HashMap<String, serde_json::Value>>,
+    /// Capacity and restore slots of this node, starts in flight, deletions done.
+    admission: admission::Admission,
+    /// Branches of this node and which are frozen (decided, or lost).
+    decided: decided::Decided,
+    /// The controllers' per-object backoff, and their reports of permanent failures
+    /// (naming this node).
+    settler: ramify_runtime::settle::Settler,
 }
 
-/// What the agent's watches hold: its node's Snapshots and every BranchSet.
+/// What the agent's watches hold: its node's Snapshots, every BranchSet, and the
+/// Sandboxes bound or pinned here.
 struct AgentCache {
     snapshots: Store<DeserializeGuard<SnapshotObj>>,
     branchsets: Store<DeserializeGuard<BranchSet>>,
+    bound: Store<DeserializeGuard<SandboxObj>>,
+    pinned: Store<DeserializeGuard<SandboxObj>>,
 }
 
 fn now() -> Time {
@@ -105,39 +130,8 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Parses a Kubernetes quantity for CPU into millicores ("500m", "2", "1.5").
-pub fn cpu_millis(q: &str) -> Option<u64> {
-    if let Some(m) = q.strip_suffix('m') {
-        return m.parse().ok();
-    }
-    let v: f64 = q.parse().ok()?;
-    (v > 0.0).then(|| (v * 1000.0).round() as u64)
-}
-
-/// Parses a Kubernetes quantity for memory into bytes ("512Mi", "1G", "1048576").
-pub fn memory_bytes(q: &str) -> Option<u64> {
-    const SUFFIXES: [(&str, u64); 12] = [
-        ("Ki", 1 << 10),
-        ("Mi", 1 << 20),
-        ("Gi", 1 << 30),
-        ("Ti", 1 << 40),
-        ("Pi", 1 << 50),
-        ("Ei", 1 << 60),
-        ("k", 1_000),
-        ("M", 1_000_000),
-        ("G", 1_000_000_000),
-        ("T", 1_000_000_000_000),
-        ("P", 1_000_000_000_000_000),
-        ("E", 1_000_000_000_000_000_000),
-    ];
-    for (suffix, mult) in SUFFIXES {
-        if let Some(n) = q.strip_suffix(suffix) {
-            let v: f64 = n.parse().ok()?;
-            return Some((v * mult as f64) as u64);
-        }
-    }
-    q.parse::<f64>().ok().map(|v| v as u64)
-}
+/// Quantity parsing is shared with the operator's capacity accounting.
+pub use ramify_crds::capacity::{cpu_millis, memory_bytes};
 
 /// The workload of a Sandbox object.
 pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
@@ -216,25 +210,7 @@ pub fn short_version(v: &str) -> &str {
 }
 
 fn error_category(e: &Error) -> &'static str {
-    match e {
-        Error::Command { .. } | Error::Spawn { .. } | Error::RunscOutput(_) => "runsc",
-        Error::Timeout { .. } => "timeout",
-        Error::OutputTooLarge { .. } => "output_too_large",
-        Error::Io { .. } => "io",
-        Error::MissingTool(_) => "missing_tool",
-        Error::Unsupported { .. } => "unsupported",
-        Error::Snapshot { .. } => "snapshot",
-        Error::VersionMismatch { .. } => "version_mismatch",
-        Error::PlatformMismatch { .. } => "platform_mismatch",
-        Error::CorruptImage { .. } => "corrupt_image",
-        Error::Network(_) => "network",
-        Error::Rootfs(_) => "rootfs",
-        Error::Sandbox { .. } => "sandbox",
-        Error::Invalid(_) => "invalid",
-        Error::Json(_) => "serialization",
-        Error::Join(_) => "task",
-        Error::Kube(_) => "kube_api",
-    }
+    e.category()
 }
 
 impl Agent {
@@ -252,21 +228,26 @@ impl Agent {
                 instance: Some(cfg.node.clone()),
             },
         );
+        let admission = admission::Admission::new(cfg.allocatable, cfg.max_restores);
+        let settler = backoff::settler(&cfg.node, recorder.clone());
         Self {
             client,
             engine,
             cfg,
+            admission,
+            decided: decided::Decided::default(),
             registry,
             metrics,
             recorder,
             handles: Mutex::new(HashMap::new()),
-            pools: AsyncMutex::new(HashMap::new()),
+            pools: pools::Pools::default(),
             runners: Mutex::new(HashMap::new()),
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),
             in_flight: Mutex::new(HashMap::new()),
             reported: Mutex::new(HashSet::new()),
             unreported: Mutex::new(HashMap::new()),
+            settler,
         }
     }
 
@@ -321,84 +302,6 @@ impl Agent {
         .await;
     }
 
-    /// Re-adopts what the registry says this node holds and destroys what the API no
-    /// longer knows: sandboxes and images whose objects are gone, and sandbox
-    /// directories no record points to. Run once at start-up, before the controllers.
-    #[instrument(skip(self))]
-    pub async fn resume(&self) -> Result<()> {
-        let bound = ListParams::default().fields(&format!("status.nodeName={}", self.cfg.node));
-        let sandboxes: Api<SandboxObj> = Api::all(self.client.clone());
-        let live: HashSet<String> = sandboxes
-            .list(&bound)
-            .await?
-            .items
-            .iter()
-            .filter_map(|s| s.uid())
-            .collect();
-        let mut local: BTreeMap<String, Sandbox> = self
-            .engine
-            .recover()
-            .await?
-            .into_iter()
-            .map(|s| (s.id.clone(), s))
-            .collect();
-        for (uid, rec) in self.registry.sandboxes()? {
-            match local.remove(&rec.sandbox_id) {
-                Some(sb) if live.contains(&uid) => {
-                    info!(sandbox = %rec.name, id = %sb.id, "re-adopted live sandbox");
-                    self.insert_handle(&uid, sb);
-                }
-                Some(sb) => {
-                    info!(sandbox = %rec.name, id = %sb.id, "destroying orphan: its Sandbox object is gone");
-                    self.engine.destroy(sb).await.ok();
-                    self.registry.remove_sandbox(&uid)?;
-                }
-                None => {
-                    // The record outlived its sandbox (crash during destroy): the
-                    // reconcile reports the loss; nothing to clean on the host.
-                    if !live.contains(&uid) {
-                        self.registry.remove_sandbox(&uid)?;
-                    }
-                }
-            }
-        }
-        for (_, sb) in local {
-            info!(id = %sb.id, "destroying unrecorded sandbox");
-            self.engine.destroy(sb).await.ok();
-        }
-        let snaps: Api<SnapshotObj> = Api::all(self.client.clone());
-        let live_snaps: HashSet<String> = snaps
-            .list(&bound)
-            .await?
-            .items
-            .iter()
-            .filter_map(|s| s.uid())
-            .collect();
-        let mut kept = HashSet::new();
-        for (uid, rec) in self.registry.snapshots()? {
-            if live_snaps.contains(&uid) {
-                kept.insert(rec.image_id);
-            } else {
-                self.engine.store().remove(&rec.image_id).ok();
-                self.registry.remove_snapshot(&uid)?;
-            }
-        }
-        // Every image directory, sealed or not: a capture cut short by a crash leaves
-        // one without metadata, which `list()` does not show.
-        let store_dir = self.engine.store().dir().to_path_buf();
-        for entry in std::fs::read_dir(&store_dir)
-            .map_err(|e| Error::io("read", &store_dir, e))?
-            .flatten()
-        {
-            let id = entry.file_name().to_string_lossy().into_owned();
-            if !kept.contains(&id) {
-                info!(image = %id, "removing unrecorded snapshot image");
-                self.engine.store().remove(&id).ok();
-            }
-        }
-        Ok(())
-    }
-
     /// Writes the agent-owned part of a Sandbox's status (always the whole part: with
     /// server-side apply, a field left out is a field given up).
     async fn write_sandbox_status(
@@ -449,13 +352,28 @@ impl Agent {
             }
         }
         let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": st});
-        api.patch_status(
-            &obj.name_any(),
-            &PatchParams::apply(SANDBOX_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &obj.name_any(),
+                &PatchParams::apply(SANDBOX_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         Ok(())
+    }
+
+    /// A cleanup step for `obj` that failed for good: logged with the object, counted.
+    fn cleanup_failed(&self, obj: &impl Resource, step: &str, e: &Error) {
+        warn!(
+            object = %obj.meta().name.as_deref().unwrap_or_default(),
+            namespace = obj.meta().namespace.as_deref().unwrap_or_default(),
+            step,
+            error = %e,
+            "cleanup failed"
+        );
+        self.engine.count_cleanup_failure(step, e);
     }
 
     async fn release_finalizer<K>(&self, obj: &K) -> Result<()>
@@ -469,7 +387,11 @@ impl Agent {
             self.client.clone(),
             &obj.meta().namespace.clone().unwrap_or_default(),
         );
-        Ok(ramify_runtime::finalizer::remove(&api, obj, FINALIZER_NODE_CLEANUP).await?)
+        writes::within(
+            "finalizer",
+            ramify_runtime::finalizer::remove(&api, obj, FINALIZER_NODE_CLEANUP),
+        )
+        .await
     }
 
     // ----- Sandbox -------------------------------------------------------------
@@ -517,6 +439,16 @@ impl Agent {
     async fn reconcile_mine(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
         let uid = uid.to_string();
         if obj.metadata.deletion_timestamp.is_some() {
+            // A start or restore in flight for it finishes first (its sandbox is then
+            // destroyed here): the finalizer never goes while something of it may
+            // still come to exist on the node.
+            if self.admission.is_starting(&uid) {
+                return Ok(Action::requeue(Duration::from_millis(200)));
+            }
+            // From here on nothing is started for it again, whatever copy of the
+            // object a lagging watch still delivers; and no freeze targets it.
+            self.admission.bury(&uid);
+            self.forget_branch(&uid);
             // A branch run holds the sandbox while its command runs: drop it now, so
             // a loser is destroyed at once rather than when its command ends.
             if let Ok(r) = self.runners.lock()
@@ -533,7 +465,13 @@ impl Agent {
                         Some(sb) => {
                             // The object goes only once the node holds nothing of it.
                             info!(id = %sb.id, "destroying deleted sandbox");
-                            self.engine.destroy(sb).await?;
+                            if let Err(e) = self.engine.teardown(&sb).await {
+                                // Held again, so the retry tears down what is left (a
+                                // lease, a rule) instead of finding no handle and
+                                // releasing the finalizer over a half-removed sandbox.
+                                self.insert_handle(&uid, sb);
+                                return Err(e);
+                            }
                         }
                         None => {
                             info!("deleted sandbox was already handed over (commit) or destroyed")
@@ -543,7 +481,14 @@ impl Agent {
                 None => info!("deleted sandbox has no local handle"),
             }
             self.registry.remove_sandbox(&uid)?;
+            // Its room goes to whoever waits, now that nothing of it runs.
+            self.admission.release(&uid);
+            self.publish_capacity();
             self.release_finalizer(obj).await?;
+            return Ok(Action::await_change());
+        }
+        if self.admission.is_buried(&uid) {
+            // A stale copy of a sandbox whose deletion this agent completed.
             return Ok(Action::await_change());
         }
         let status = obj.status.clone().unwrap_or_default();
@@ -554,6 +499,10 @@ impl Agent {
             status.phase,
             SandboxPhase::Failed | SandboxPhase::Succeeded | SandboxPhase::Aborted
         ) {
+            return Ok(Action::await_change());
+        }
+        if self.registry.sandbox(&uid)?.is_some_and(|r| r.handed_over) {
+            info!("this winner's sandbox was handed to its parent by a Full commit");
             return Ok(Action::await_change());
         }
         if status.sandbox_id.is_some() {
@@ -568,29 +517,55 @@ impl Agent {
             .await;
             return Ok(Action::await_change());
         }
+        if let Some(wait) = self.admit(obj, &uid).await? {
+            return Ok(wait);
+        }
         self.start_sandbox(obj, &uid).await
     }
 
     async fn start_sandbox(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
         let t0 = Instant::now();
+        // In flight from here until its handle is held (or it failed): a deletion
+        // meanwhile waits for it.
+        let _claim = self.admission.claim(uid);
+        let slot = self.admission.restores.permit(uid);
+        self.publish_capacity();
         let started = match &obj.spec.restore_from {
             Some(rf) => self.restore_branch(obj, rf).await,
-            None => {
-                self.write_sandbox_status(
-                    obj,
-                    SandboxPhase::Starting,
-                    None,
-                    (false, "Starting", "starting".into()),
-                    json!({}),
-                )
-                .await?;
-                self.start_fresh(obj).await.map(|sb| (sb, json!({})))
-            }
+            None => match self.fresh_source(obj).await {
+                // A failed API read is not the sandbox's fault: retried, not Failed.
+                Err(e @ Error::Kube(_)) => return Err(e),
+                Err(e) => Err(e),
+                Ok((class, source)) => {
+                    self.write_sandbox_status(
+                        obj,
+                        SandboxPhase::Starting,
+                        None,
+                        (false, "Starting", "starting".into()),
+                        json!({}),
+                    )
+                    .await?;
+                    self.start_fresh(obj, source.clone())
+                        .await
+                        .map(|sb| (sb, json!({}), None))
+                        .map_err(|e| rootfs_class::name_the_field(&class, &source, e))
+                }
+            },
         };
-        let (sb, extra) = match started {
+        drop(slot);
+        // A warm claim took no slot; any place it still had in the queue goes too.
+        self.admission.restores.leave(uid);
+        let (sb, extra, fork_generation) = match started {
             Ok(x) => x,
             Err(e) => {
+                // Nothing of it runs: its room goes to whoever waits.
+                self.admission.release(uid);
+                self.publish_capacity();
+                // Refused at the first reconcile and never retried: the spec's rootfs
+                // (and the image's platform) is immutable, so a retry could only be
+                // refused again.
                 let reason = match &e {
+                    Error::RootfsRefused(_) => REASON_ROOTFS_REFUSED,
                     Error::PlatformMismatch { .. } => ramify_crds::REASON_PLATFORM_MISMATCH,
                     _ if obj.spec.restore_from.is_some() => "RestoreFailed",
                     _ => "StartFailed",
@@ -615,9 +590,8 @@ impl Agent {
             name: obj.name_any(),
             uid: uid.to_string(),
             sandbox_id: sb.id.clone(),
-            run_epoch: None,
-            last_commit_uid: None,
-            outcome: None,
+            fork_generation,
+            ..Default::default()
         })?;
         let mut extra = extra;
         extra["startedAt"] = json!(now());
@@ -625,6 +599,7 @@ impl Agent {
         // Held from here on: if the report below fails (an API-server outage), the
         // retry finds the sandbox and reports it; it never starts a second one.
         let running_as = format!("running as {}", sb.id);
+        self.remember_branch(uid, obj, &sb);
         let h = self.insert_handle(uid, sb);
         if let Ok(mut u) = self.unreported.lock() {
             u.insert(uid.to_string(), extra.clone());
@@ -652,26 +627,20 @@ impl Agent {
         Ok(Action::requeue(Duration::from_secs(10)))
     }
 
-    async fn start_fresh(&self, obj: &SandboxObj) -> Result<Sandbox> {
-        let rootfs = match (&obj.spec.rootfs, &obj.spec.image) {
-            (Some(r), _) => match &r.oci_ref {
-                Some(reference) => RootfsSource::OciLayout {
-                    path: r.path.clone().into(),
-                    reference: Some(reference.clone()),
-                },
-                None => RootfsSource::Dir(r.path.clone().into()),
-            },
-            (None, Some(image)) => {
-                return Err(Error::Invalid(format!(
-                    "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs"
-                )));
-            }
-            (None, None) => {
-                return Err(Error::Invalid(
-                    "neither spec.rootfs nor spec.image is set".into(),
-                ));
-            }
-        };
+    /// Which RootfsClass a fresh sandbox names, and what it points to.
+    async fn fresh_source(&self, obj: &SandboxObj) -> Result<(String, RootfsSource)> {
+        match (&obj.spec.rootfs, &obj.spec.image) {
+            (Some(r), _) => rootfs_class::source_of(&self.client, r).await,
+            (None, Some(image)) => Err(Error::Invalid(format!(
+                "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs.class"
+            ))),
+            (None, None) => Err(Error::Invalid(
+                "neither spec.rootfs nor spec.image is set".into(),
+            )),
+        }
+    }
+
+    async fn start_fresh(&self, obj: &SandboxObj, rootfs: RootfsSource) -> Result<Sandbox> {
         self.engine
             .start(StartRequest {
                 name: obj.name_any(),
@@ -682,12 +651,13 @@ impl Agent {
             .await
     }
 
-    /// Restores a branch (warm pool first, then cold) and returns its provenance.
+    /// Restores a branch (warm pool first, then cold) and returns its provenance and
+    /// its fork point (the parent's commit generation its snapshot recorded).
     async fn restore_branch(
         &self,
         obj: &SandboxObj,
         rf: &ramify_crds::RestoreFrom,
-    ) -> Result<(Sandbox, serde_json::Value)> {
+    ) -> Result<(Sandbox, serde_json::Value, Option<u64>)> {
         let ns = obj.namespace().unwrap_or_default();
         let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
         // The watch cache first (a Ready snapshot of this node is there); the API
@@ -744,13 +714,14 @@ impl Agent {
         let t0 = Instant::now();
         // A warm branch has no baseline manifest, so Paths commits restore cold.
         let warm = if track.is_empty() {
-            let pools = self.pools.lock().await;
-            match pools.get(&snap.uid().unwrap_or_default()) {
-                Some(pool) if pool.ready() > 0 => {
-                    Some(pool.claim_as(&name, index, Duration::from_secs(5)).await)
-                }
-                _ => None,
-            }
+            self.pools
+                .claim(
+                    &snap.uid().unwrap_or_default(),
+                    &name,
+                    index,
+                    Duration::from_secs(5),
+                )
+                .await
         } else {
             None
         };
@@ -801,7 +772,7 @@ impl Agent {
             "sha256": st.sha256,
             "warm": was_warm,
         }});
-        Ok((sb, extra))
+        Ok((sb, extra, Some(rec.source_commit_generation)))
     }
 
     /// Globs to record right after restore (a Paths commit diffs against them).
@@ -849,10 +820,14 @@ impl Agent {
         let Some(sb) = guard.as_ref() else {
             return Ok(Action::await_change());
         };
-        let running = self.engine.is_running(sb).await?;
+        // A frozen branch runs (it only does not get CPU); asking runsc would wait on it.
+        let running = self.decided.is_frozen(uid) || self.engine.is_running(sb).await?;
         let status = obj.status.clone().unwrap_or_default();
         if !running && status.phase == SandboxPhase::Running {
             self.report_exit(obj, sb).await?;
+            // Its processes are gone: so is what they held of the node.
+            self.admission.capacity.leave(uid);
+            self.publish_capacity();
             return Ok(Action::await_change());
         }
         let reported = self
@@ -900,7 +875,8 @@ impl Agent {
             let started_by = rec.and_then(|r| r.run_epoch);
             if let Some(outcome) = recorded {
                 // Decided, but the report did not land (API outage, or a crash in
-                // between): send it again.
+                // between): send it again (frozen meanwhile).
+                self.freeze_branch(uid).await;
                 let api: Api<SandboxObj> =
                     Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
                 self.report_outcome(&api, &obj.name_any(), &outcome).await?;
@@ -941,7 +917,7 @@ impl Agent {
                 info!(sandbox = %obj.name_any(), "branch deleted while it ran; its run was dropped");
             } else if let Err(e) = ran {
                 warn!(error = %e, sandbox = %obj.name_any(), "branch run failed");
-                agent
+                let reported = agent
                     .write_outcome(
                         &obj,
                         None,
@@ -951,8 +927,12 @@ impl Agent {
                         Some(fork_millis),
                         None,
                     )
-                    .await
-                    .ok();
+                    .await;
+                if let Err(e) = reported {
+                    // Recorded before the report: the next reconcile sends it again.
+                    warn!(error = %e, sandbox = %obj.name_any(), namespace = obj.namespace().unwrap_or_default(), "reporting the failed run failed");
+                    agent.metrics.failed("branch", e.category());
+                }
             }
             if let Ok(mut r) = agent.runners.lock() {
                 r.remove(&uid);
@@ -989,13 +969,20 @@ impl Agent {
         env.push(("RAMIFY_BRANCH_INDEX".into(), branch.index.to_string()));
         env.push(("RAMIFY_BRANCHSET".into(), branch.branch_set.clone()));
         let timeout = Duration::from_secs(u64::try_from(bs.spec.timeout_seconds).unwrap_or(600));
-        if let Some(mut rec) = self.registry.sandbox(uid)? {
-            rec.run_epoch = Some(self.epoch.clone());
-            self.registry.put_sandbox(&rec)?;
-        }
+        self.registry
+            .update_sandbox(uid, |rec| rec.run_epoch = Some(self.epoch.clone()))?;
         let h = self
             .handle(uid)
             .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+        // One watcher of the verdict file per branch, bounded whatever the workload
+        // writes (see `verdict_watch`); it needs no lock on the sandbox.
+        let mut watch = {
+            let g = h.lock().await;
+            let sb = g
+                .as_ref()
+                .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+            verdict_watch::VerdictWatch::new(sb.control_dir())
+        };
         let t0 = Instant::now();
 
         // The workload may decide at any time through /run/ramify/verdict; the run and
@@ -1057,25 +1044,19 @@ impl Agent {
                     Err(e) => return Err(e),
                 });
             }
-            // No command at all: wait for the workload's verdict file.
-            loop {
-                if let Some(v) = self.verdict_file(&h).await {
-                    return Ok((
-                        exit_code,
-                        v,
-                        "the workload wrote /run/ramify/verdict".into(),
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            // No command at all: the workload's verdict file decides (the watcher
+            // below), or the timeout.
+            std::future::pending().await
         };
         let watch_file = async {
-            loop {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if let Some(v) = self.verdict_file(&h).await {
-                    return (v, "the workload wrote /run/ramify/verdict".to_string());
-                }
-            }
+            // The sandbox as it is now (a Full commit into this branch swaps it); not
+            // known while a command holds it, and no commit swaps it meanwhile.
+            let current = || h.try_lock().ok()?.as_ref().map(Sandbox::control_dir);
+            let v = match watch.verdict(current).await {
+                Verdict::Commit => VerdictValue::Commit,
+                Verdict::Abort => VerdictValue::Abort,
+            };
+            (v, "the workload wrote /run/ramify/verdict".to_string())
         };
         let (exit_code, verdict, reason) = tokio::select! {
             r = decided => r?,
@@ -1164,20 +1145,17 @@ impl Agent {
         // Record before reporting; an outcome already recorded is final (a later
         // fallback, e.g. "run failed" after the report itself failed, must not
         // replace the verdict the branch reached).
-        let outcome = match obj
-            .uid()
-            .and_then(|u| self.registry.sandbox(&u).ok().flatten())
-        {
-            Some(mut rec) => match rec.outcome.clone() {
-                Some(first) => first,
-                None => {
-                    rec.outcome = Some(decided.clone());
-                    self.registry.put_sandbox(&rec)?;
-                    decided
-                }
-            },
-            None => decided,
+        let recorded = match obj.uid() {
+            Some(u) => self.registry.update_sandbox(&u, |rec| {
+                rec.outcome.get_or_insert_with(|| decided.clone());
+            })?,
+            None => None,
         };
+        let outcome = recorded.and_then(|r| r.outcome).unwrap_or(decided);
+        // Decided: it stops consuming CPU before the API server hears of it.
+        if let Some(uid) = obj.uid() {
+            self.freeze_branch(&uid).await;
+        }
         self.report_outcome(&api, &obj.name_any(), &outcome).await?;
         info!(sandbox = %obj.name_any(), ?verdict, "branch verdict");
         Ok(())
@@ -1192,26 +1170,27 @@ impl Agent {
         outcome: &serde_json::Value,
     ) -> Result<()> {
         let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {"branch": outcome}});
-        let mut delay = Duration::from_millis(200);
         let mut attempts = 0;
         loop {
-            match api
-                .patch_status(
+            let sent = writes::within(
+                "branch outcome",
+                api.patch_status(
                     name,
                     &PatchParams::apply(BRANCH_MANAGER).force(),
                     &Patch::Apply(&body),
-                )
-                .await
-            {
+                ),
+            )
+            .await;
+            match sent {
                 Ok(_) => return Ok(()),
                 // Deleted (lost the race, or its BranchSet ended): nothing to report.
-                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
-                Err(e) if attempts >= 8 => return Err(e.into()),
+                Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => return Ok(()),
+                // Still recorded on disk: the sandbox's reconcile sends it again.
+                Err(e) if attempts >= 8 => return Err(e),
                 Err(e) => {
+                    warn!(error = %e, sandbox = name, attempt = attempts, "reporting the branch outcome failed; retrying");
+                    tokio::time::sleep(writes::backoff(attempts)).await;
                     attempts += 1;
-                    warn!(error = %e, sandbox = name, "reporting the branch outcome failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }
         }
@@ -1228,9 +1207,10 @@ impl Agent {
             return Ok(Action::await_change());
         }
         if snap.metadata.deletion_timestamp.is_some() {
-            if let Some(pool) = self.pools.lock().await.remove(&uid) {
-                pool.close().await.ok();
+            if let Err(e) = self.pools.replace(&uid, None).await {
+                self.cleanup_failed(snap, "close warm pool", &e);
             }
+            self.admission.capacity.leave(&admission::pool_key(&uid));
             if let Some(rec) = self.registry.snapshot(&uid)? {
                 self.engine.store().remove(&rec.image_id)?;
                 self.registry.remove_snapshot(&uid)?;
@@ -1243,12 +1223,24 @@ impl Agent {
             if status.phase != SnapshotPhase::Ready {
                 // Captured before a crash, not yet reported.
                 let meta = self.engine.store().meta(&rec.image_id)?;
-                self.write_snapshot_ready(snap, &meta, None).await?;
+                self.write_snapshot_ready(snap, &meta, None, rec.source_commit_generation)
+                    .await?;
             }
             return self.keep_pool(snap, &uid, &rec).await;
         }
         if status.phase == SnapshotPhase::Failed {
             return Ok(Action::await_change());
+        }
+        if status.phase == SnapshotPhase::Ready {
+            // Reported Ready from an image this node no longer has a record of (the
+            // record was lost or unreadable): say so rather than capture anew.
+            return self
+                .fail_snapshot(
+                    snap,
+                    "ImageLost",
+                    "this node has no record of the snapshot's image (lost or unreadable); it is not captured again".into(),
+                )
+                .await;
         }
         let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
         let Some(source) = sandboxes.get_opt(&snap.spec.source.sandbox).await? else {
@@ -1265,16 +1257,24 @@ impl Agent {
             .ttl_seconds
             .and_then(|s| u64::try_from(s).ok())
             .map(Duration::from_secs);
-        let info = {
+        let source_uid = source.uid().unwrap_or_default();
+        let (info, generation) = {
             let mut g = h.lock().await;
             let Some(sb) = g.as_mut() else {
                 return Ok(Action::requeue(Duration::from_secs(1)));
             };
+            // The fork point, read under the lock commits take: it is the generation of
+            // exactly the state captured.
+            let generation = self
+                .registry
+                .sandbox(&source_uid)?
+                .map(|r| r.commits.generation)
+                .unwrap_or(0);
             let r = self.engine.snapshot(sb, ttl).await;
             if r.is_ok() {
                 self.engine.persist(sb)?;
             }
-            r
+            (r, generation)
         };
         let info = match info {
             Ok(i) => i,
@@ -1296,8 +1296,9 @@ impl Agent {
             name: snap.name_any(),
             uid: uid.clone(),
             image_id: info.meta.id.clone(),
+            source_commit_generation: generation,
         })?;
-        self.write_snapshot_ready(snap, &info.meta, Some(info.source_pause))
+        self.write_snapshot_ready(snap, &info.meta, Some(info.source_pause), generation)
             .await?;
         self.event(
             snap,
@@ -1326,18 +1327,44 @@ impl Agent {
             .as_ref()
             .map(|w| usize::try_from(w.size).unwrap_or(0))
             .unwrap_or(0);
-        let mut pools = self.pools.lock().await;
-        let have_size = pools.get(uid).map(|p| p.size());
-        if have_size != Some(want) {
-            if let Some(old) = pools.remove(uid) {
-                old.close().await.ok();
+        let reservation = admission::pool_key(uid);
+        let have = self.pools.size(uid);
+        if have.is_some() && have != Some(want) {
+            // Resized or emptied: the old pool goes, and what it held with it.
+            if let Err(e) = self.pools.replace(uid, None).await {
+                self.cleanup_failed(snap, "close resized warm pool", &e);
             }
-            if want > 0 {
-                pools.insert(uid.to_string(), self.engine.warm_pool(&rec.image_id, want));
-            }
+            self.admission.capacity.leave(&reservation);
         }
-        let ready = pools.get(uid).map(|p| p.ready()).unwrap_or(0);
-        drop(pools);
+        if want == 0 {
+            self.admission.capacity.leave(&reservation);
+        } else if self.pools.size(uid).is_none() {
+            // The pool's frozen branches hold memory (no CPU) of this node: it fills
+            // once that fits, and its refills queue for restore slots like any restore.
+            let group = format!(
+                "pool/{}/{}",
+                snap.namespace().unwrap_or_default(),
+                snap.name_any()
+            );
+            let asks = self.pool_asks(snap, want);
+            if self
+                .admission
+                .capacity
+                .enter(&reservation, &group, (0, String::new()), asks)
+            {
+                let pool = self.engine.warm_pool_gated(
+                    &rec.image_id,
+                    want,
+                    self.admission.restores.clone(),
+                    group,
+                );
+                if let Err(e) = self.pools.replace(uid, Some(pool)).await {
+                    self.cleanup_failed(snap, "close resized warm pool", &e);
+                }
+            }
+            self.publish_capacity();
+        }
+        let ready = self.pools.ready(uid);
         let reported = snap
             .status
             .as_ref()
@@ -1348,10 +1375,13 @@ impl Agent {
             let api: Api<SnapshotObj> =
                 Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
             let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"warm": {"ready": ready_i32}}});
-            api.patch_status(
-                &snap.name_any(),
-                &PatchParams::apply("ramify-node-agent/warm-pool").force(),
-                &Patch::Apply(&body),
+            writes::within(
+                "status",
+                api.patch_status(
+                    &snap.name_any(),
+                    &PatchParams::apply("ramify-node-agent/warm-pool").force(),
+                    &Patch::Apply(&body),
+                ),
             )
             .await?;
         }
@@ -1368,10 +1398,13 @@ impl Agent {
         let api: Api<SnapshotObj> =
             Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
         let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"phase": phase}});
-        api.patch_status(
-            &snap.name_any(),
-            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         Ok(())
@@ -1382,6 +1415,7 @@ impl Agent {
         snap: &SnapshotObj,
         meta: &crate::store::SnapshotMeta,
         pause: Option<Duration>,
+        source_generation: u64,
     ) -> Result<()> {
         let api: Api<SnapshotObj> =
             Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
@@ -1404,14 +1438,18 @@ impl Agent {
             // Images recorded before platforms were came from ptrace.
             "platform": meta.platform.as_deref().unwrap_or("ptrace"),
             "captureMillis": meta.capture_millis,
+            "sourceCommitGeneration": source_generation,
             "sourcePauseMillis": pause.map(millis).unwrap_or(i64::try_from(meta.source_pause_millis).unwrap_or(0)),
             "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
         }});
-        api.patch_status(
-            &snap.name_any(),
-            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         Ok(())
@@ -1440,152 +1478,16 @@ impl Agent {
             "phase": SnapshotPhase::Failed,
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
         }});
-        api.patch_status(
-            &snap.name_any(),
-            &PatchParams::apply(SNAPSHOT_MANAGER).force(),
-            &Patch::Apply(&body),
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
         )
         .await?;
         self.event(snap, true, reason, message).await;
-        Ok(Action::await_change())
-    }
-
-    // ----- Commit --------------------------------------------------------------
-
-    /// Applies the winner of a BranchSet in `Committing` to its parent, when the parent
-    /// runs on this node. Exactly once: the registry records the BranchSet uid with the
-    /// parent before the result is reported.
-    #[instrument(skip_all, fields(branchset = %bs.name_any()))]
-    async fn reconcile_commit(&self, bs: &BranchSet) -> Result<Action> {
-        let st = bs.status.clone().unwrap_or_default();
-        if st.phase != BranchSetPhase::Committing {
-            return Ok(Action::await_change());
-        }
-        let (Some(winner), Some(parent_name)) = (st.winner.clone(), st.parent.clone()) else {
-            return Ok(Action::await_change());
-        };
-        let ns = bs.namespace().unwrap_or_default();
-        let bs_uid = bs.uid().unwrap_or_default();
-        let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
-        let Some(parent) = sandboxes.get_opt(&parent_name).await? else {
-            return Ok(Action::await_change());
-        };
-        let parent_uid = parent.uid().unwrap_or_default();
-        let Some(mut parent_rec) = self.registry.sandbox(&parent_uid)? else {
-            return Ok(Action::await_change()); // not on this node
-        };
-        if parent
-            .status
-            .as_ref()
-            .and_then(|s| s.last_commit.as_ref())
-            .is_some_and(|c| c.branch_set_uid == bs_uid)
-        {
-            return Ok(Action::await_change());
-        }
-        let t0 = Instant::now();
-        let mode = bs.spec.commit.mode;
-        let mut files = Vec::new();
-        let (mut file_count, mut bytes) = (0i64, 0i64);
-        if parent_rec.last_commit_uid.as_deref() != Some(bs_uid.as_str()) {
-            let winner_obj = sandboxes
-                .get_opt(&format!("{}-{winner}", bs.name_any()))
-                .await?
-                .ok_or_else(|| {
-                    Error::Invalid(format!("winning branch {winner} is gone before its commit"))
-                })?;
-            let winner_uid = winner_obj.uid().unwrap_or_default();
-            let parent_h = self
-                .handle(&parent_uid)
-                .ok_or_else(|| Error::Invalid("parent sandbox has no local handle".into()))?;
-            let winner_h = self.handle(&winner_uid).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "winning branch {winner} is not running on this node"
-                ))
-            })?;
-            match mode {
-                CommitMode::Full => {
-                    let mut pg = parent_h.lock().await;
-                    let w = winner_h
-                        .lock()
-                        .await
-                        .take()
-                        .ok_or_else(|| Error::Invalid("winner already consumed".into()))?;
-                    let p = pg
-                        .as_mut()
-                        .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?;
-                    self.engine.commit_full(p, w).await?;
-                    self.engine.persist(p)?;
-                    // The commit point: the parent's record now names the winner's sandbox.
-                    parent_rec.sandbox_id = p.id.clone();
-                    parent_rec.last_commit_uid = Some(bs_uid.clone());
-                    self.registry.put_sandbox(&parent_rec)?;
-                    self.registry.remove_sandbox(&winner_uid)?;
-                    self.take_handle(&winner_uid);
-                }
-                CommitMode::Paths => {
-                    let pg = parent_h.lock().await;
-                    let wg = winner_h.lock().await;
-                    let (p, w) = (
-                        pg.as_ref()
-                            .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?,
-                        wg.as_ref()
-                            .ok_or_else(|| Error::Invalid("winner sandbox gone".into()))?,
-                    );
-                    let report = self
-                        .engine
-                        .commit_paths(p, w, &bs.spec.commit.paths)
-                        .await?;
-                    parent_rec.last_commit_uid = Some(bs_uid.clone());
-                    self.registry.put_sandbox(&parent_rec)?;
-                    let d = &report.diff;
-                    file_count = i64::try_from(d.added.len() + d.modified.len() + d.deleted.len())
-                        .unwrap_or(i64::MAX);
-                    bytes = i64::try_from(report.bytes).unwrap_or(i64::MAX);
-                    for (list, kind) in [
-                        (&d.added, ChangeKind::Added),
-                        (&d.modified, ChangeKind::Modified),
-                        (&d.deleted, ChangeKind::Deleted),
-                    ] {
-                        for c in list.iter() {
-                            if files.len() < MAX_LISTED_FILES {
-                                files.push(FileChange {
-                                    path: c.path.clone(),
-                                    change: kind,
-                                    size_bytes: i64::try_from(c.size).unwrap_or(i64::MAX),
-                                });
-                            }
-                        }
-                    }
-                }
-            }
-            self.metrics
-                .commit_seconds
-                .observe(t0.elapsed().as_secs_f64());
-        }
-        let commits = parent.status.as_ref().map(|s| s.commits).unwrap_or(0) + 1;
-        let sandbox_id = parent_rec.sandbox_id.clone();
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {
-            "commits": commits,
-            "sandboxId": sandbox_id,
-            "lastCommit": {
-                "branchSet": bs.name_any(), "branchSetUid": bs_uid, "winner": winner, "mode": mode,
-                "files": files, "fileCount": file_count, "bytes": bytes, "at": now(),
-            },
-        }});
-        sandboxes
-            .patch_status(
-                &parent_name,
-                &PatchParams::apply(COMMIT_MANAGER).force(),
-                &Patch::Apply(&body),
-            )
-            .await?;
-        self.event(
-            &parent,
-            false,
-            "Committed",
-            format!("branch {winner} of {} committed ({mode:?})", bs.name_any()),
-        )
-        .await;
         Ok(Action::await_change())
     }
 }
@@ -1594,18 +1496,6 @@ impl Agent {
 async fn until_deleted(deleted: &mut tokio::sync::watch::Receiver<bool>) {
     if deleted.wait_for(|d| *d).await.is_err() {
         std::future::pending::<()>().await;
-    }
-}
-
-fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Agent>) -> Action {
-    move |_, err, agent| {
-        agent.metrics.failed(controller, error_category(err));
-        if matches!(err, Error::Kube(kube::Error::Api(s)) if s.code == 409) {
-            // Another writer was first: re-read and retry at once.
-            return Action::requeue(Duration::from_millis(20));
-        }
-        warn!(controller, error = %err, "reconcile failed");
-        Action::requeue(Duration::from_secs(1))
     }
 }
 
@@ -1625,7 +1515,10 @@ fn admit<'a, K>(obj: &'a DeserializeGuard<K>, agent: &Agent, controller: &str) -
 async fn on_sandbox(obj: Arc<DeserializeGuard<SandboxObj>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "sandbox") {
-        Some(s) => agent.reconcile_sandbox(s).await,
+        Some(s) => {
+            let r = agent.reconcile_sandbox(s).await;
+            backoff::settle(&agent, "sandbox", s, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("sandbox", t0.elapsed());
@@ -1635,7 +1528,10 @@ async fn on_sandbox(obj: Arc<DeserializeGuard<SandboxObj>>, agent: Arc<Agent>) -
 async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "snapshot") {
-        Some(s) => agent.reconcile_snapshot(s).await,
+        Some(s) => {
+            let r = agent.reconcile_snapshot(s).await;
+            backoff::settle(&agent, "snapshot", s, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("snapshot", t0.elapsed());
@@ -1645,7 +1541,10 @@ async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>)
 async fn on_branchset(obj: Arc<DeserializeGuard<BranchSet>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "commit") {
-        Some(b) => agent.reconcile_commit(b).await,
+        Some(b) => {
+            let r = agent.reconcile_commit(b).await;
+            backoff::settle(&agent, "commit", b, r).await
+        }
         None => Ok(Action::await_change()),
     };
     agent.metrics.reconciled("commit", t0.elapsed());
@@ -1655,28 +1554,27 @@ async fn on_branchset(obj: Arc<DeserializeGuard<BranchSet>>, agent: Arc<Agent>) 
 /// Resumes local state, then runs the agent's controllers until shutdown.
 pub async fn run(agent: Arc<Agent>) -> Result<()> {
     agent.resume().await?;
+    agent.publish_capacity();
     let client = agent.client.clone();
     let mine = watcher::Config::default()
         .fields(&format!("status.nodeName={}", agent.cfg.node))
         .any_semantic();
-    let sandboxes = Controller::new(
+    // A sandbox that waited for capacity or a restore slot is reconciled again the
+    // moment it is granted (by both controllers: each ignores what it does not hold).
+    let bound_ctl = Controller::new(
         Api::<DeserializeGuard<SandboxObj>>::all(client.clone()),
         mine.clone(),
     )
-    .shutdown_on_signal()
-    .run(on_sandbox, error_policy("sandbox"), agent.clone())
-    .for_each(|_| futures::future::ready(()));
+    .reconcile_on(agent.admission.subscribe());
     // Sandboxes pinned to this node by their spec (every branch: its snapshot's node)
     // are seen at creation, a binding write earlier than through `status.nodeName`.
-    let pinned = Controller::new(
+    let pinned_ctl = Controller::new(
         Api::<DeserializeGuard<SandboxObj>>::all(client.clone()),
         watcher::Config::default()
             .fields(&format!("spec.nodeName={}", agent.cfg.node))
             .any_semantic(),
     )
-    .shutdown_on_signal()
-    .run(on_sandbox, error_policy("sandbox"), agent.clone())
-    .for_each(|_| futures::future::ready(()));
+    .reconcile_on(agent.admission.subscribe());
     let snap_ctl = Controller::new(
         Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
         mine,
@@ -1688,33 +1586,32 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let _ = agent.cache.set(AgentCache {
         snapshots: snap_ctl.store(),
         branchsets: commit_ctl.store(),
+        bound: bound_ctl.store(),
+        pinned: pinned_ctl.store(),
     });
+    let sandboxes = bound_ctl
+        .shutdown_on_signal()
+        .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
+        .for_each(|_| futures::future::ready(()));
+    let pinned = pinned_ctl
+        .shutdown_on_signal()
+        .run(on_sandbox, backoff::error_policy("sandbox"), agent.clone())
+        .for_each(|_| futures::future::ready(()));
     let snapshots = snap_ctl
         .shutdown_on_signal()
-        .run(on_snapshot, error_policy("snapshot"), agent.clone())
+        .run(
+            on_snapshot,
+            backoff::error_policy("snapshot"),
+            agent.clone(),
+        )
         .for_each(|_| futures::future::ready(()));
     let commits = commit_ctl
         .shutdown_on_signal()
-        .run(on_branchset, error_policy("commit"), agent.clone())
+        .run(on_branchset, backoff::error_policy("commit"), agent.clone())
         .for_each(|_| futures::future::ready(()));
+    let sweep = tokio::spawn(agent.clone().sweep_admission());
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);
+    sweep.abort();
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quantities_parse_like_kubernetes() {
-        assert_eq!(cpu_millis("500m"), Some(500));
-        assert_eq!(cpu_millis("2"), Some(2000));
-        assert_eq!(cpu_millis("1.5"), Some(1500));
-        assert_eq!(cpu_millis("x"), None);
-        assert_eq!(memory_bytes("512Mi"), Some(512 << 20));
-        assert_eq!(memory_bytes("1G"), Some(1_000_000_000));
-        assert_eq!(memory_bytes("1048576"), Some(1_048_576));
-        assert_eq!(memory_bytes("lots"), None);
-    }
 }

@@ -20,6 +20,7 @@ use ramify_node_agent::engine::{
 };
 use ramify_node_agent::placement::{Placement, PlacementRequest, Standalone, StandaloneConfig};
 use ramify_node_agent::rootfs::{RootfsSource, busybox_rootfs};
+use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{NetworkMode, Platform, RunscConfig, SandboxCtx};
 use ramify_node_agent::spec::{BundleParams, Resources, WorkloadSpec, oci_config, write_bundle};
 
@@ -208,6 +209,11 @@ async fn main() -> Result<()> {
     let engine = Engine::new(
         EngineConfig {
             state_dir: dir.join("state"),
+            rootfs: RootfsConfig {
+                roots: vec![rootfs.clone()],
+                cache: dir.join("rootfs-cache"),
+                protected: vec![],
+            },
             id_prefix: PREFIX.into(),
             id_owner: None,
             runsc: RunscConfig {

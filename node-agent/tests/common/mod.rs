@@ -9,6 +9,7 @@ use std::time::Duration;
 use ramify_node_agent::engine::{Engine, EngineConfig, Sandbox, StartRequest};
 use ramify_node_agent::placement::{Cidr, Standalone, StandaloneConfig};
 use ramify_node_agent::rootfs::RootfsSource;
+use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::RunscConfig;
 use ramify_node_agent::spec::{Resources, WorkloadSpec};
 use tokio::sync::OnceCell;
@@ -17,6 +18,8 @@ pub const PREFIX: &str = "ramify-test-";
 pub const BRIDGE: &str = "rmytest0";
 pub const SUBNET: &str = "10.231.0.0/16";
 pub const GATEWAY: &str = "10.231.0.1";
+/// A test's own rootfs root, under its directory (a rootfs copied or unpacked there).
+pub const ROOTS: &str = "roots";
 
 fn base() -> PathBuf {
     std::env::temp_dir().join("ramify-test")
@@ -166,11 +169,17 @@ pub async fn harness_with(test: &str, runsc: RunscConfig, state_dir: Option<Path
         std::process::id(),
         &uuid::Uuid::new_v4().simple().to_string()[..6]
     ));
-    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(dir.join(ROOTS)).unwrap();
     let placement = standalone(&dir.join("cni"));
     let engine = Engine::new(
         EngineConfig {
             state_dir: state_dir.unwrap_or_else(|| dir.join("state")),
+            // The shared busybox rootfs, and `<dir>/roots` for a test's own rootfs.
+            rootfs: RootfsConfig {
+                roots: vec![rootfs.clone(), dir.join(ROOTS)],
+                cache: dir.join("rootfs-cache"),
+                protected: vec![],
+            },
             id_prefix: PREFIX.into(),
             id_owner: None,
             runsc,
@@ -230,15 +239,41 @@ impl Harness {
     }
 
     pub async fn start(&self, name: &str, script: &str, egress: Vec<Cidr>) -> Sandbox {
+        self.start_from(name, &self.rootfs.clone(), script, egress)
+            .await
+    }
+
+    /// Starts a sandbox from another rootfs (inside one of the engine's roots).
+    pub async fn start_from(
+        &self,
+        name: &str,
+        rootfs: &Path,
+        script: &str,
+        egress: Vec<Cidr>,
+    ) -> Sandbox {
         self.engine
             .start(StartRequest {
                 name: name.into(),
-                rootfs: RootfsSource::Dir(self.rootfs.clone()),
+                rootfs: RootfsSource::Dir(rootfs.to_path_buf()),
                 workload: self.workload(script),
                 egress_allow: egress,
             })
             .await
             .unwrap_or_else(|e| panic!("start {name}: {e}"))
+    }
+
+    /// A private copy of the shared rootfs at `<dir>/roots/<name>` (a test's own root),
+    /// for tests that move or change it.
+    pub fn own_rootfs(&self, name: &str) -> PathBuf {
+        let rootfs = self.dir.join(ROOTS).join(name);
+        let st = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(&self.rootfs)
+            .arg(&rootfs)
+            .status()
+            .unwrap();
+        assert!(st.success(), "copying the rootfs to {}", rootfs.display());
+        rootfs
     }
 
     pub async fn sh(&self, sb: &Sandbox, script: &str) -> String {
@@ -279,6 +314,56 @@ impl Harness {
             self.engine.store().remove(&id.id).unwrap();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Polls `check` every 50 ms until it yields a value, and fails with `what` once
+/// `within` has passed: the suite's wait for anything that happens asynchronously
+/// (never a fixed sleep before an assertion).
+pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {within:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+impl Harness {
+    /// Waits until the COUNTER workload of `sb` has gone past `floor`; returns the value.
+    pub async fn counter_past(&self, sb: &Sandbox, floor: u64) -> u64 {
+        eventually(
+            Duration::from_secs(30),
+            &format!("the counter of {} to pass {floor}", sb.name),
+            || async move {
+                let c = self.counter(sb).await;
+                (c > floor).then_some(c)
+            },
+        )
+        .await
+    }
+
+    /// Waits until the file `path` in `sb` exists and is not empty.
+    pub async fn written(&self, sb: &Sandbox, path: &str) {
+        let script = format!("[ -s {path} ] && echo yes || echo no");
+        eventually(
+            Duration::from_secs(30),
+            &format!("{path} to be written in {}", sb.name),
+            || {
+                let script = script.clone();
+                async move { (self.sh(sb, &script).await.trim() == "yes").then_some(()) }
+            },
+        )
+        .await
     }
 }
 

@@ -14,6 +14,7 @@ use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, Sandbox, Star
 use ramify_node_agent::placement::Standalone;
 use ramify_node_agent::platform;
 use ramify_node_agent::rootfs::RootfsSource;
+use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{Platform, RunscConfig};
 
 /// What the branch runs, with a label for the table.
@@ -80,6 +81,11 @@ pub async fn compare(
         let engine = Engine::new(
             EngineConfig {
                 state_dir: dir.join(format!("platform-{}", p.as_str())),
+                rootfs: RootfsConfig {
+                    roots: vec![rootfs.to_path_buf()],
+                    cache: dir.join("rootfs-cache"),
+                    protected: vec![],
+                },
                 id_prefix: prefix.into(),
                 id_owner: None,
                 runsc: RunscConfig {

@@ -1,0 +1,467 @@
+//! Who may exec into a sandbox and read its logs: Kubernetes RBAC, per namespace,
+//! through the aggregated API `subresources.ramify.dev` (ramify-api), with the node
+//! agent doing the work behind an mTLS endpoint that only ramify-api can call.
+//!
+//! Real parts throughout: the kube-apiserver with its aggregation layer, RBAC and the
+//! ClusterRole aggregation controller; ramify-api, the operator and the node agent as
+//! processes; runsc sandboxes; the real `kubectl-ramify` binary, driven with each
+//! user's own kubeconfig (client certificates signed by the control plane's CA).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Api, DeleteParams, ListParams};
+use ramify_crds::subresources::{ANNOTATION_AGENT_ENDPOINT, TLS_NAME_AGENT};
+use ramify_crds::{Sandbox, SandboxPhase};
+use ramify_e2e::system::System;
+use ramify_e2e::{TestNamespace, repo_root};
+
+/// `kubectl ramify` as `kubeconfig`'s user: (exit code, stdout, stderr).
+fn plugin(kubeconfig: &Path, ns: &str, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(ramify_e2e::binary("kubectl-ramify").unwrap())
+        .args(["-n", ns])
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("RAMIFY_AGENT_STATE_DIR")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `kubectl auth can-i` as `kubeconfig`'s user.
+fn can_i(sys: &System, kubeconfig: &Path, args: &[&str]) -> bool {
+    let out = sys
+        .cp
+        .kubectl()
+        .env("KUBECONFIG", kubeconfig)
+        .args(["auth", "can-i"])
+        .args(args)
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    match answer.as_str() {
+        "yes" => true,
+        "no" => false,
+        _ => panic!(
+            "kubectl auth can-i {}: {answer}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// Whether the API server's authorizer lets `user` exec into namespace `ns`'s
+/// workspace.
+async fn may_exec(sys: &System, user: &str, ns: &str) -> bool {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(user.into()),
+            groups: Some(vec!["system:authenticated".into()]),
+            resource_attributes: Some(ResourceAttributes {
+                group: Some("subresources.ramify.dev".into()),
+                resource: Some("sandboxes".into()),
+                subresource: Some("exec".into()),
+                verb: Some("get".into()),
+                namespace: Some(ns.into()),
+                name: Some("workspace".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let api: Api<SubjectAccessReview> = Api::all(sys.client.clone());
+    api.create(&Default::default(), &review)
+        .await
+        .unwrap()
+        .status
+        .is_some_and(|s| s.allowed)
+}
+
+/// An HTTPS GET with curl: (curl's exit code, HTTP status, body). `extra` carries the
+/// TLS identity and headers.
+fn curl(url: &str, extra: &[String]) -> (i32, String, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "10", "-w", "\n%{http_code}"])
+        .args(extra)
+        .arg(url)
+        .output()
+        .expect("curl (hack/install-deps.sh installs it)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (
+        out.status.code().unwrap_or(-1),
+        code.to_string(),
+        format!("{body}{}", String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+fn path_arg(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// The test's workspace, printing a line to its console first (what `logs` shows).
+fn workspace(sys: &System, ns: &str) -> String {
+    sys.workspace().replacen(
+        r#"["/bin/sh", "-c", ""#,
+        &format!(r#"["/bin/sh", "-c", "echo console-of-{ns}; "#),
+        1,
+    )
+}
+
+async fn running(sys: &System, ns: &str) {
+    let api: Api<Sandbox> = Api::namespaced(sys.client.clone(), ns);
+    sys.wait_for(api, "workspace", "Running", 120, |s: &Sandbox| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == SandboxPhase::Running)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn exec_and_logs_are_authorized_per_namespace_by_rbac() {
+    let sys = System::start("tenant-a").await;
+    let a = sys.ns.name.clone();
+    let b_ns = TestNamespace::create(&sys.client, "tenant-b")
+        .await
+        .unwrap();
+    let b = b_ns.name.clone();
+    let api = sys.start_api();
+
+    // The chart's user roles (config/rbac holds the same, see chart.rs), aggregated by
+    // the controller manager into the built-in view/edit/admin.
+    let roles = repo_root().join("config/rbac/user-roles.yaml");
+    let out = sys
+        .cp
+        .kubectl_run(&["apply", "-f", &path_arg(&roles)], None)
+        .unwrap();
+    assert!(out.success, "{}", out.stderr);
+    for (user, role, ns) in [
+        ("alice", "edit", &a),
+        ("bob", "edit", &b),
+        ("carol", "view", &a),
+    ] {
+        let out = sys
+            .cp
+            .kubectl_run(
+                &[
+                    "create",
+                    "rolebinding",
+                    &format!("{user}-{role}"),
+                    "-n",
+                    ns,
+                    &format!("--clusterrole={role}"),
+                    &format!("--user={user}"),
+                ],
+                None,
+            )
+            .unwrap();
+        assert!(out.success, "{}", out.stderr);
+    }
+    let users = sys.log_dir.join("users");
+    let alice = sys.cp.user_kubeconfig("alice", &["team-a"], &users);
+    let bob = sys.cp.user_kubeconfig("bob", &["team-b"], &users);
+    let carol = sys.cp.user_kubeconfig("carol", &["auditors"], &users);
+
+    sys.apply(&workspace(&sys, &a));
+    let out = sys
+        .cp
+        .kubectl_run(&["apply", "-n", &b, "-f", "-"], Some(&workspace(&sys, &b)))
+        .unwrap();
+    assert!(out.success, "{}", out.stderr);
+    running(&sys, &a).await;
+    running(&sys, &b).await;
+
+    // The aggregation controller folds ramify-edit into edit asynchronously. (Asked
+    // with a SubjectAccessReview: `kubectl auth can-i` cannot name a group whose
+    // discovery lists only subresources.)
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !may_exec(&sys, "alice", &a).await {
+        assert!(
+            Instant::now() < deadline,
+            "ramify-edit never aggregated into edit"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Each user execs and reads logs in their own namespace (the workload writes its
+    // config right after start: poll until it is there).
+    for (who, kc, ns) in [("alice", &alice, &a), ("bob", &bob, &b)] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (code, out, err) = plugin(
+                kc,
+                ns,
+                &["exec", "workspace", "--", "cat", "/work/app.conf"],
+            );
+            if code == 0 && out.trim() == "mode=slow" {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{who} exec in {ns}: exit {code}, {out}{err}\n--- ramify-api ---\n{}\n{}",
+                api.component.log_tail(20),
+                sys.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // The command's own exit code and stderr come through.
+        let (code, out, err) = plugin(
+            kc,
+            ns,
+            &[
+                "exec",
+                "workspace",
+                "--",
+                "/bin/sh",
+                "-c",
+                "echo out; echo err >&2; exit 3",
+            ],
+        );
+        assert_eq!(
+            (code, out.as_str(), err.as_str()),
+            (3, "out\n", "err\n"),
+            "{who}"
+        );
+        let (code, out, err) = plugin(kc, ns, &["logs", "workspace"]);
+        assert_eq!(code, 0, "{who} logs in {ns}: {err}");
+        assert!(
+            out.contains(&format!("console-of-{ns}")),
+            "{who} logs in {ns}: {out:?}"
+        );
+    }
+
+    // Output streams: the first line arrives while the command still runs.
+    let started = Instant::now();
+    let mut child = Command::new(ramify_e2e::binary("kubectl-ramify").unwrap())
+        .args([
+            "-n",
+            &a,
+            "exec",
+            "workspace",
+            "--",
+            "/bin/sh",
+            "-c",
+            "echo first; sleep 5; echo second",
+        ])
+        .env("KUBECONFIG", &alice)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    assert_eq!(lines.next().unwrap().unwrap(), "first");
+    assert!(
+        child.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(5),
+        "the first line came only after {:?}, with the command done",
+        started.elapsed()
+    );
+    assert_eq!(lines.next().unwrap().unwrap(), "second");
+    assert!(child.wait().unwrap().success());
+
+    // ... and is Forbidden in the other's, by the API server's RBAC on the subresource.
+    for (who, kc, other) in [("alice", &alice, &b), ("bob", &bob, &a)] {
+        for args in [
+            &["exec", "workspace", "--", "cat", "/work/app.conf"][..],
+            &["logs", "workspace"][..],
+        ] {
+            let (code, out, err) = plugin(kc, other, args);
+            assert_eq!(code, 7, "{who} {args:?} in {other}: {out}{err}");
+            assert!(
+                err.contains("forbidden") && err.contains(&format!("User \"{who}\"")),
+                "{who} {args:?} in {other}: {err}"
+            );
+            assert!(
+                !out.contains("mode=slow") && !out.contains("console-of"),
+                "{out}"
+            );
+        }
+    }
+    // Reading a namespace's sandboxes (view) is not exec or logs.
+    assert!(can_i(
+        &sys,
+        &carol,
+        &["get", "sandboxes.ramify.dev", "-n", &a]
+    ));
+    for args in [
+        &["exec", "workspace", "--", "true"][..],
+        &["logs", "workspace"][..],
+    ] {
+        let (code, _, err) = plugin(&carol, &a, args);
+        assert_eq!(code, 7, "carol (view) {args:?}: {err}");
+    }
+
+    // Nobody holds anything in the system namespace (the agent runs there).
+    for kc in [&alice, &bob, &carol] {
+        for ns in [sys.system_namespace.as_str(), "ramify-system"] {
+            for (verb, what) in [
+                ("create", "pods/exec"),
+                ("get", "pods"),
+                ("get", "leases.coordination.k8s.io"),
+                ("get", "secrets"),
+                ("get", "sandboxes.ramify.dev"),
+                ("*", "*"),
+            ] {
+                assert!(
+                    !can_i(&sys, kc, &[verb, what, "-n", ns]),
+                    "{kc:?} may {verb} {what} in {ns}"
+                );
+            }
+        }
+    }
+
+    // ramify-api refuses anyone but the API server's front proxy: the identity headers
+    // count for nothing without its client certificate.
+    let pki = sys.cp.dir.join("pki");
+    let log_url = format!(
+        "https://127.0.0.1:{}/apis/subresources.ramify.dev/v1alpha1/namespaces/{a}/sandboxes/workspace/log",
+        api.port
+    );
+    let as_admin = [
+        "-k".to_string(),
+        "-H".into(),
+        "X-Remote-User: system:admin".into(),
+        "-H".into(),
+        "X-Remote-Group: system:masters".into(),
+    ];
+    let (_, code, body) = curl(&log_url, &as_admin);
+    assert_eq!(code, "401", "no client certificate: {body}");
+    assert!(!body.contains("console-of"), "{body}");
+    // A user's certificate (signed by the client CA, not the front-proxy CA) fails the
+    // handshake.
+    let mut with_user_cert = as_admin.to_vec();
+    with_user_cert.extend([
+        "--cert".into(),
+        path_arg(&users.join("alice.crt")),
+        "--key".into(),
+        path_arg(&users.join("alice.key")),
+    ]);
+    let (exit, code, body) = curl(&log_url, &with_user_cert);
+    assert!(
+        exit != 0 && code == "000",
+        "alice's certificate as the proxy: exit {exit}, HTTP {code}: {body}"
+    );
+    // With the front proxy's certificate: ramify-api asks the API server itself, so bob
+    // is still Forbidden in a, and alice allowed (the check is real both ways).
+    let proxy = |user: &str| {
+        vec![
+            "-k".to_string(),
+            "--cert".into(),
+            path_arg(&pki.join("front-proxy-client.crt")),
+            "--key".into(),
+            path_arg(&pki.join("front-proxy-client.key")),
+            "-H".into(),
+            format!("X-Remote-User: {user}"),
+            "-H".into(),
+            "X-Remote-Group: system:authenticated".into(),
+        ]
+    };
+    let (_, code, body) = curl(&log_url, &proxy("bob"));
+    assert_eq!(code, "403", "bob through the proxy certificate: {body}");
+    assert!(
+        body.contains("User \\\"bob\\\" cannot get resource \\\"sandboxes/log\\\""),
+        "{body}"
+    );
+    let (_, code, body) = curl(&log_url, &proxy("alice"));
+    assert_eq!(code, "200", "alice through the proxy certificate: {body}");
+    assert!(body.contains(&format!("console-of-{a}")), "{body}");
+
+    // The agent's endpoint serves ramify-api's client certificate and nothing else.
+    let leases: Api<Lease> = Api::namespaced(sys.client.clone(), &sys.system_namespace);
+    let lease = leases
+        .list(&ListParams::default().labels("ramify.dev/component=node-agent"))
+        .await
+        .unwrap()
+        .items
+        .remove(0);
+    let endpoint = lease.metadata.annotations.unwrap()[ANNOTATION_AGENT_ENDPOINT].clone();
+    let port = endpoint.rsplit(':').next().unwrap().to_string();
+    let agent_url =
+        format!("https://{TLS_NAME_AGENT}:{port}/v1/namespaces/{a}/sandboxes/workspace/log");
+    let tls = |cert: Option<(PathBuf, PathBuf)>| {
+        let mut args = vec![
+            "--cacert".to_string(),
+            path_arg(&sys.pki.join("ca.crt")),
+            "--resolve".into(),
+            format!("{TLS_NAME_AGENT}:{port}:127.0.0.1"),
+        ];
+        if let Some((c, k)) = cert {
+            args.extend(["--cert".into(), path_arg(&c), "--key".into(), path_arg(&k)]);
+        }
+        args
+    };
+    for (what, cert) in [
+        ("no certificate", None),
+        (
+            "alice's certificate",
+            Some((users.join("alice.crt"), users.join("alice.key"))),
+        ),
+        (
+            "the front proxy's certificate",
+            Some((
+                pki.join("front-proxy-client.crt"),
+                pki.join("front-proxy-client.key"),
+            )),
+        ),
+        (
+            // Same CA as ramify-api's client certificate, but a serving certificate
+            // that does not name ramify-api.
+            "the agent's own certificate",
+            Some((sys.pki.join("agent.crt"), sys.pki.join("agent.key"))),
+        ),
+    ] {
+        let (exit, code, body) = curl(&agent_url, &tls(cert));
+        assert!(
+            exit != 0 && code == "000" && !body.contains("console-of"),
+            "agent endpoint with {what}: exit {exit}, HTTP {code}: {body}"
+        );
+    }
+    let (exit, code, body) = curl(
+        &agent_url,
+        &tls(Some((
+            sys.pki.join("api-client.crt"),
+            sys.pki.join("api-client.key"),
+        ))),
+    );
+    assert_eq!(
+        (exit, code.as_str()),
+        (0, "200"),
+        "ramify-api's certificate: {body}"
+    );
+    assert!(body.contains(&format!("console-of-{a}")), "{body}");
+
+    // Namespace b's sandbox goes first, so the node check below covers both.
+    let b_sandboxes: Api<Sandbox> = Api::namespaced(sys.client.clone(), &b);
+    b_sandboxes
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !b_sandboxes
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{b}'s sandbox not removed\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(api);
+    b_ns.delete().await.unwrap();
+    sys.teardown_and_check_clean().await;
+}

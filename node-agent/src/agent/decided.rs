@@ -1,0 +1,193 @@
+//! Decided branches stop consuming CPU. A branch whose verdict is recorded (its run
+//! finished and it waits for the set's decision) is frozen with the cgroup freezer
+//! until it is committed or deleted, and so is every loser the moment its BranchSet
+//! names a winner, before any API call. A frozen branch gives its CPU back to the
+//! node's capacity at once and keeps only the memory it holds.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+
+use kube::ResourceExt;
+use ramify_crds::capacity::Requests;
+use ramify_crds::{BranchSet, Sandbox as SandboxObj};
+use tracing::{debug, warn};
+
+use super::Agent;
+use crate::cgroup;
+use crate::engine::Sandbox;
+use crate::error::{Error, Result};
+use crate::freezer::FreezeLock;
+
+/// Where a branch lives on the node (read without its handle: a running command
+/// holds that).
+#[derive(Clone, Debug)]
+pub struct BranchPlace {
+    pub cgroups_path: String,
+    pub dir: std::path::PathBuf,
+    /// `namespace/branchset`.
+    pub set: String,
+    pub branch: String,
+    pub asks: Requests,
+}
+
+/// The branches of this node, and which of them are frozen.
+#[derive(Default)]
+pub struct Decided {
+    places: Mutex<HashMap<String, BranchPlace>>,
+    frozen: Mutex<HashSet<String>>,
+}
+
+impl Decided {
+    pub fn is_frozen(&self, uid: &str) -> bool {
+        self.frozen.lock().map(|f| f.contains(uid)).unwrap_or(false)
+    }
+
+    fn place(&self, uid: &str) -> Option<BranchPlace> {
+        self.places.lock().ok()?.get(uid).cloned()
+    }
+
+    pub fn count(&self) -> usize {
+        self.frozen.lock().map(|f| f.len()).unwrap_or(0)
+    }
+}
+
+impl Agent {
+    /// Remembers a branch's place (at its start, or re-adopted after a restart).
+    pub(super) fn remember_branch(&self, uid: &str, obj: &SandboxObj, sb: &Sandbox) {
+        let Some(b) = obj
+            .spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.branch.as_ref())
+        else {
+            return;
+        };
+        if let Ok(mut p) = self.decided.places.lock() {
+            p.insert(
+                uid.to_string(),
+                BranchPlace {
+                    cgroups_path: sb.cgroups_path().to_string(),
+                    dir: sb.dir.clone(),
+                    set: format!("{}/{}", obj.namespace().unwrap_or_default(), b.branch_set),
+                    branch: b.name.clone(),
+                    asks: obj.spec.requests(),
+                },
+            );
+        }
+    }
+
+    /// A commit Full swapped another sandbox in under this branch (it was the parent
+    /// of a nested set): freezes and thaws now go to that one.
+    pub(super) fn rehome_branch(&self, uid: &str, sb: &Sandbox) {
+        if let Ok(mut p) = self.decided.places.lock()
+            && let Some(place) = p.get_mut(uid)
+        {
+            place.cgroups_path = sb.cgroups_path().to_string();
+            place.dir = sb.dir.clone();
+        }
+    }
+
+    /// The branch is going (deleted) or handed over (committed Full): no freeze may
+    /// target it any more.
+    pub(super) fn forget_branch(&self, uid: &str) {
+        if let Ok(mut p) = self.decided.places.lock() {
+            p.remove(uid);
+        }
+        if let Ok(mut f) = self.decided.frozen.lock() {
+            f.remove(uid);
+        }
+        self.metrics
+            .frozen_branches
+            .set(i64::try_from(self.decided.count()).unwrap_or(i64::MAX));
+    }
+
+    /// Freezes a decided branch (idempotent) and gives its CPU back to the node. A
+    /// failure is logged: the branch then keeps running until it is deleted.
+    pub(super) async fn freeze_branch(&self, uid: &str) {
+        if self.decided.is_frozen(uid) {
+            return;
+        }
+        let Some(place) = self.decided.place(uid).filter(|p| p.dir.exists()) else {
+            return;
+        };
+        let r = async {
+            let dir = place.dir.clone();
+            let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
+                .await
+                .map_err(|e| Error::Join(e.to_string()))??;
+            // Forgotten (deleted) while the lock was awaited: leave it to the teardown.
+            if self.decided.place(uid).is_none() {
+                return Ok(false);
+            }
+            cgroup::freeze(&place.cgroups_path).await?;
+            Ok::<_, Error>(true)
+        }
+        .await;
+        match r {
+            Ok(true) => {
+                if let Ok(mut f) = self.decided.frozen.lock() {
+                    f.insert(uid.to_string());
+                }
+                let held = cgroup::memory_usage(&place.cgroups_path)
+                    .unwrap_or(place.asks.memory_bytes)
+                    .min(place.asks.memory_bytes);
+                self.admission.capacity.settle(
+                    uid,
+                    Requests {
+                        cpu_millis: 0,
+                        memory_bytes: held,
+                    },
+                );
+                self.metrics
+                    .frozen_branches
+                    .set(i64::try_from(self.decided.count()).unwrap_or(i64::MAX));
+                self.publish_capacity();
+                debug!(branch = %place.branch, "frozen");
+            }
+            Ok(false) => {}
+            Err(e) => {
+                warn!(error = %e, branch = %place.branch, "could not freeze a decided branch")
+            }
+        }
+    }
+
+    /// Thaws a frozen branch for its commit (waits for a person's look to end first).
+    pub(super) async fn thaw_branch(&self, uid: &str) -> Result<()> {
+        // Gone already (destroyed): nothing is frozen.
+        let Some(place) = self.decided.place(uid).filter(|p| p.dir.exists()) else {
+            return Ok(());
+        };
+        let dir = place.dir.clone();
+        let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
+            .await
+            .map_err(|e| Error::Join(e.to_string()))??;
+        if cgroup::freezer_state_path(&place.cgroups_path).exists() {
+            cgroup::thaw(&place.cgroups_path)?;
+        }
+        if let Ok(mut f) = self.decided.frozen.lock() {
+            f.remove(uid);
+        }
+        Ok(())
+    }
+
+    /// A winner is known: every other branch of the set on this node stops now, before
+    /// the API server hears of anything (the losers' deletions follow).
+    pub(super) async fn freeze_losers(&self, bs: &BranchSet) {
+        let Some(winner) = bs.status.as_ref().and_then(|s| s.winner.clone()) else {
+            return;
+        };
+        let set = format!("{}/{}", bs.namespace().unwrap_or_default(), bs.name_any());
+        let losers: Vec<String> = self
+            .decided
+            .places
+            .lock()
+            .map(|p| {
+                p.iter()
+                    .filter(|(_, b)| b.set == set && b.branch != winner)
+                    .map(|(u, _)| u.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        futures::future::join_all(losers.iter().map(|u| self.freeze_branch(u))).await;
+    }
+}

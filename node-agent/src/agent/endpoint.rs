@@ -1,0 +1,368 @@
+//! The node endpoint: exec, log and diff of this node's sandboxes, for `ramify-api`
+//! only. It listens on `--endpoint-listen` with mutual TLS: the handshake fails for a
+//! client whose certificate does not chain to `--endpoint-client-ca` or does not name
+//! `ramify-api`, so nobody reaches a sandbox through the node without passing the
+//! API's RBAC check first (and nobody needs `pods/exec` on the privileged agent). The
+//! agent announces the endpoint's address on its node Lease.
+//!
+//! Paths (`GET`, below `/v1`): `namespaces/{ns}/sandboxes/{name}/exec?command=...`
+//! (a WebSocket with the Kubernetes channel protocol, output streamed as it comes),
+//! `.../log` (the console log, streamed) and `.../diff?path=GLOB` (JSON).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use ramify_crds::subresources::{
+    self as sub, CHANNEL_STATUS, CHANNEL_STDERR, CHANNEL_STDOUT, EXEC_PROTOCOLS,
+};
+use ramify_runtime::https::{self, Body};
+use ramify_runtime::tls::{self, ClientAuth, TlsError};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::net::TcpListener;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tracing::{info, warn};
+
+use super::registry::Registry;
+use crate::engine::{Engine, Sandbox};
+use crate::freezer::Look;
+
+/// Where and how the endpoint listens.
+#[derive(Clone, Debug)]
+pub struct EndpointConfig {
+    pub listen: SocketAddr,
+    /// The host the API dials (the node's or pod's IP); default: the listen address.
+    pub advertise_host: Option<String>,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// CA of the `ramify-api` client certificate.
+    pub client_ca: PathBuf,
+}
+
+/// Why the endpoint could not start, or a request could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    #[error("endpoint TLS: {0}")]
+    Tls(#[from] TlsError),
+    #[error("endpoint listen {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "--endpoint-listen {0} is a wildcard address: give --endpoint-advertise (the address ramify-api dials)"
+    )]
+    NoAdvertise(SocketAddr),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Agent(#[from] crate::Error),
+}
+
+/// A bound endpoint, ready to serve.
+pub struct Endpoint {
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    /// What the agent announces: `https://host:port`.
+    pub url: String,
+}
+
+impl Endpoint {
+    pub async fn bind(cfg: &EndpointConfig) -> Result<Self, EndpointError> {
+        let config = tls::server_config(
+            &cfg.cert,
+            &cfg.key,
+            ClientAuth::RequiredNamed(
+                tls::roots_from_file(&cfg.client_ca)?,
+                sub::TLS_NAME_API_CLIENT.to_string(),
+            ),
+        )?;
+        let listener =
+            TcpListener::bind(cfg.listen)
+                .await
+                .map_err(|source| EndpointError::Listen {
+                    addr: cfg.listen,
+                    source,
+                })?;
+        let local = listener
+            .local_addr()
+            .map_err(|source| EndpointError::Listen {
+                addr: cfg.listen,
+                source,
+            })?;
+        let host = match &cfg.advertise_host {
+            Some(h) if h.contains(':') => format!("[{h}]"),
+            Some(h) => h.clone(),
+            None if local.ip().is_unspecified() => return Err(EndpointError::NoAdvertise(local)),
+            None => match local.ip() {
+                std::net::IpAddr::V4(ip) => ip.to_string(),
+                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            },
+        };
+        let url = format!("https://{host}:{}", local.port());
+        info!(%url, "node endpoint listening (mTLS, ramify-api only)");
+        Ok(Endpoint {
+            listener,
+            config: Arc::new(config),
+            url,
+        })
+    }
+
+    /// Serves until the process ends.
+    pub async fn serve(self, engine: Engine, registry: Registry) {
+        let state = Arc::new(State { engine, registry });
+        https::serve(self.listener, self.config, move |_cert, req| {
+            let state = state.clone();
+            async move { state.handle(req).await }
+        })
+        .await;
+    }
+}
+
+struct State {
+    engine: Engine,
+    registry: Registry,
+}
+
+/// The local sandbox that backs Sandbox `namespace/name` on this node (what the agent
+/// recorded in its registry).
+pub async fn local_sandbox(
+    engine: &Engine,
+    registry: &Registry,
+    namespace: &str,
+    name: &str,
+) -> Result<Sandbox, EndpointError> {
+    let rec = registry
+        .sandboxes()?
+        .records
+        .into_iter()
+        .find(|r| r.namespace == namespace && r.name == name && !r.handed_over)
+        .ok_or_else(|| {
+            EndpointError::NotFound(format!("no sandbox {namespace}/{name} on this node"))
+        })?;
+    engine
+        .recover()
+        .await?
+        .sandboxes
+        .into_iter()
+        .find(|s| s.id == rec.sandbox_id)
+        .ok_or_else(|| {
+            EndpointError::NotFound(format!(
+                "sandbox {namespace}/{name} ({}) has no local state",
+                rec.sandbox_id
+            ))
+        })
+}
+
+impl State {
+    async fn handle(&self, mut req: Request<Incoming>) -> Response<Body> {
+        if req.method() != Method::GET {
+            return https::status(StatusCode::METHOD_NOT_ALLOWED, "only GET is served");
+        }
+        let path = req.uri().path().to_string();
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let ["v1", "namespaces", ns, "sandboxes", name, what] = parts[..] else {
+            return https::status(StatusCode::NOT_FOUND, &format!("no such path {path}"));
+        };
+        let sb = match local_sandbox(&self.engine, &self.registry, ns, name).await {
+            Ok(sb) => sb,
+            Err(e) => return error_response(&e),
+        };
+        match what {
+            sub::SUBRESOURCE_EXEC => self.exec(&mut req, sb),
+            sub::SUBRESOURCE_LOG => self.log(&sb).await,
+            sub::SUBRESOURCE_DIFF => {
+                let mut globs = https::query_values(&req, "path");
+                if globs.is_empty() {
+                    globs.push("/**".into());
+                }
+                // A decided branch is frozen: thawed for the look, frozen again after.
+                let look = match Look::begin(&sb).await {
+                    Ok(l) => l,
+                    Err(e) => return error_response(&e.into()),
+                };
+                let diff = self.engine.diff_since_restore(&sb, &globs).await;
+                if let Err(e) = look.end().await {
+                    warn!(sandbox = %sb.id, error = %e, "refreezing after a diff failed");
+                }
+                match diff {
+                    Ok(d) => match serde_json::to_value(&d) {
+                        Ok(v) => https::json(StatusCode::OK, &v),
+                        Err(e) => error_response(&crate::Error::from(e).into()),
+                    },
+                    Err(e) => error_response(&e.into()),
+                }
+            }
+            other => https::status(StatusCode::NOT_FOUND, &format!("no subresource {other}")),
+        }
+    }
+
+    fn exec(&self, req: &mut Request<Incoming>, sb: Sandbox) -> Response<Body> {
+        let argv = https::query_values(req, "command");
+        let cmd = match self.engine.exec_command(&sb, &argv) {
+            Ok(c) => c,
+            Err(e) => return error_response(&e.into()),
+        };
+        let accept = match https::accept_websocket(req.headers(), &EXEC_PROTOCOLS) {
+            Ok(a) => a,
+            Err(refused) => return *refused,
+        };
+        let upgrade = hyper::upgrade::on(req);
+        let id = sb.id.clone();
+        tokio::spawn(async move {
+            match upgrade.await {
+                Ok(up) => {
+                    let ws = WebSocketStream::from_raw_socket(TokioIo::new(up), Role::Server, None)
+                        .await;
+                    // A decided branch is frozen: thawed for the look (the whole exec),
+                    // frozen again after.
+                    match Look::begin(&sb).await {
+                        Ok(look) => {
+                            run_exec(ws, cmd).await;
+                            if let Err(e) = look.end().await {
+                                warn!(sandbox = %id, error = %e, "refreezing after an exec failed");
+                            }
+                        }
+                        Err(e) => {
+                            let (mut tx, _) = ws.split();
+                            let _ = send_status(&mut tx, &sub::exec_failure(&e.to_string())).await;
+                        }
+                    }
+                }
+                Err(e) => warn!(sandbox = %id, error = %e, "exec upgrade failed"),
+            }
+        });
+        accept.response
+    }
+
+    async fn log(&self, sb: &Sandbox) -> Response<Body> {
+        let path = self.engine.log_path(sb);
+        let file = match tokio::fs::File::open(&path).await {
+            Ok(f) => f,
+            // A sandbox that printed nothing yet has no log file: an empty log.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Response::new(https::full(Bytes::new()));
+            }
+            Err(e) => return error_response(&crate::Error::io("open", &path, e).into()),
+        };
+        let chunks = futures::stream::unfold(file, |mut f| async move {
+            let mut buf = vec![0u8; 64 << 10];
+            match f.read(&mut buf).await {
+                Ok(0) => None,
+                Ok(n) => {
+                    buf.truncate(n);
+                    Some((Ok(Frame::data(Bytes::from(buf))), f))
+                }
+                Err(e) => Some((Err(e), f)),
+            }
+        });
+        let mut r = Response::new(BodyExt::boxed(StreamBody::new(chunks)));
+        r.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        r
+    }
+}
+
+fn error_response(e: &EndpointError) -> Response<Body> {
+    let code = match e {
+        EndpointError::NotFound(_) => StatusCode::NOT_FOUND,
+        // A request the sandbox cannot serve (no command, no baseline for a diff).
+        EndpointError::Agent(crate::Error::Invalid(_)) => StatusCode::CONFLICT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    https::status(code, &e.to_string())
+}
+
+/// Runs the command, streaming its stdout and stderr as channel messages while they
+/// come, then its exit status. A client that goes away kills it.
+async fn run_exec<S>(ws: WebSocketStream<S>, cmd: crate::cmd::Cmd)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut tx, mut rx) = ws.split();
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = send_status(&mut tx, &sub::exec_failure(&e.to_string())).await;
+            return;
+        }
+    };
+    let (frames_tx, mut frames) = tokio::sync::mpsc::channel::<Message>(16);
+    if let Some(out) = child.stdout.take() {
+        tokio::spawn(pump(out, CHANNEL_STDOUT, frames_tx.clone()));
+    }
+    if let Some(err) = child.stderr.take() {
+        tokio::spawn(pump(err, CHANNEL_STDERR, frames_tx.clone()));
+    }
+    drop(frames_tx);
+    loop {
+        tokio::select! {
+            frame = frames.recv() => match frame {
+                Some(m) => {
+                    if tx.send(m).await.is_err() {
+                        // The client is gone: dropping the child kills it.
+                        return;
+                    }
+                }
+                // Both streams ended.
+                None => break,
+            },
+            incoming = rx.next() => match incoming {
+                // Stdin is not forwarded (runsc exec runs with a null stdin).
+                Some(Ok(Message::Binary(_) | Message::Text(_) | Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
+                Some(Ok(Message::Close(_)) | Err(_)) | None => return,
+            },
+        }
+    }
+    let status = match child.wait().await {
+        Ok(st) => {
+            use std::os::unix::process::ExitStatusExt;
+            sub::exit_status(st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)))
+        }
+        Err(e) => sub::exec_failure(&format!("waiting for runsc exec: {e}")),
+    };
+    let _ = send_status(&mut tx, &status).await;
+    let _ = tx.close().await;
+}
+
+async fn send_status<W>(tx: &mut W, status: &serde_json::Value) -> Result<(), W::Error>
+where
+    W: futures::Sink<Message> + Unpin,
+{
+    let mut frame = vec![CHANNEL_STATUS];
+    frame.extend_from_slice(status.to_string().as_bytes());
+    tx.send(Message::Binary(frame.into())).await
+}
+
+/// Copies one output stream into channel messages until it ends.
+async fn pump<R: AsyncRead + Unpin>(
+    mut r: R,
+    channel: u8,
+    out: tokio::sync::mpsc::Sender<Message>,
+) {
+    let mut buf = vec![0u8; 32 << 10];
+    loop {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                let mut frame = Vec::with_capacity(n + 1);
+                frame.push(channel);
+                frame.extend_from_slice(&buf[..n]);
+                if out.send(Message::Binary(frame.into())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! The node's warm pools, by Snapshot uid. The map's lock is held only to look a pool
+//! up, add or remove it, never across a claim (which may wait seconds for a branch) or
+//! a close (which destroys every frozen branch): restores from different snapshots do
+//! not wait for each other, nor for a pool being torn down.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::engine::{Sandbox, WarmPool};
+use crate::error::Result;
+
+/// What the map holds: a pool of pre-restored branches.
+pub trait Pool: Send + Sync + 'static {
+    /// What a claim hands out.
+    type Claimed;
+    /// Branches the pool keeps.
+    fn size(&self) -> usize;
+    /// Branches ready to hand out now.
+    fn ready(&self) -> usize;
+    fn claim_as(
+        &self,
+        name: &str,
+        index: u32,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Self::Claimed>> + Send;
+    fn close(&self) -> impl Future<Output = Result<()>> + Send;
+}
+
+impl Pool for WarmPool {
+    type Claimed = Sandbox;
+    fn size(&self) -> usize {
+        WarmPool::size(self)
+    }
+    fn ready(&self) -> usize {
+        WarmPool::ready(self)
+    }
+    fn claim_as(
+        &self,
+        name: &str,
+        index: u32,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Sandbox>> + Send {
+        WarmPool::claim_as(self, name, index, timeout)
+    }
+    fn close(&self) -> impl Future<Output = Result<()>> + Send {
+        WarmPool::close(self)
+    }
+}
+
+/// The pools by Snapshot uid.
+pub struct Pools<P> {
+    map: Mutex<HashMap<String, Arc<P>>>,
+}
+
+impl<P> Default for Pools<P> {
+    fn default() -> Self {
+        Self {
+            map: Mutex::default(),
+        }
+    }
+}
+
+impl<P: Pool> Pools<P> {
+    fn get(&self, uid: &str) -> Option<Arc<P>> {
+        self.map.lock().ok()?.get(uid).cloned()
+    }
+
+    /// A branch of the pool of `uid`, when it has one ready; `None` when there is no
+    /// such pool or it is empty (the caller restores cold).
+    pub async fn claim(
+        &self,
+        uid: &str,
+        name: &str,
+        index: u32,
+        timeout: Duration,
+    ) -> Option<Result<P::Claimed>> {
+        let pool = self.get(uid).filter(|p| p.ready() > 0)?;
+        Some(pool.claim_as(name, index, timeout).await)
+    }
+
+    /// Branches ready in the pool of `uid` (0 without one).
+    pub fn ready(&self, uid: &str) -> usize {
+        self.get(uid).map_or(0, |p| p.ready())
+    }
+
+    /// The size of the pool of `uid`, if it has one.
+    pub fn size(&self, uid: &str) -> Option<usize> {
+        self.get(uid).map(|p| p.size())
+    }
+
+    /// Puts `pool` (or none) in place of the pool of `uid` and closes the one it
+    /// replaces, if any, outside the lock.
+    pub async fn replace(&self, uid: &str, pool: Option<P>) -> Result<()> {
+        let old = match self.map.lock() {
+            Ok(mut m) => match pool {
+                Some(p) => m.insert(uid.to_string(), Arc::new(p)),
+                None => m.remove(uid),
+            },
+            Err(_) => None,
+        };
+        match old {
+            Some(old) => old.close().await,
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    /// A test double of a pool whose claims and close take a known time.
+    struct Slow {
+        claim: Duration,
+        close: Duration,
+    }
+
+    impl Pool for Slow {
+        type Claimed = String;
+        fn size(&self) -> usize {
+            1
+        }
+        fn ready(&self) -> usize {
+            1
+        }
+        async fn claim_as(&self, name: &str, _: u32, _: Duration) -> Result<String> {
+            tokio::time::sleep(self.claim).await;
+            Ok(name.to_string())
+        }
+        async fn close(&self) -> Result<()> {
+            tokio::time::sleep(self.close).await;
+            Ok(())
+        }
+    }
+
+    fn pools() -> Arc<Pools<Slow>> {
+        let p = Arc::new(Pools::default());
+        for uid in ["a", "b"] {
+            p.map.lock().unwrap().insert(
+                uid.into(),
+                Arc::new(Slow {
+                    claim: Duration::from_secs(2),
+                    close: Duration::from_secs(10),
+                }),
+            );
+        }
+        p
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn claims_on_different_pools_proceed_together() {
+        let p = pools();
+        let t0 = Instant::now();
+        let (a, b) = tokio::join!(
+            p.claim("a", "x", 0, Duration::from_secs(5)),
+            p.claim("b", "y", 0, Duration::from_secs(5))
+        );
+        assert_eq!(
+            (a.unwrap().unwrap(), b.unwrap().unwrap()),
+            ("x".into(), "y".into())
+        );
+        // Two 2 s claims at once: 2 s, not 4 s (one lock held across each claim).
+        assert_eq!(t0.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_does_not_wait_for_another_pools_close() {
+        let p = pools();
+        let t0 = Instant::now();
+        let closing = tokio::spawn({
+            let p = p.clone();
+            async move { p.replace("a", None).await }
+        });
+        tokio::task::yield_now().await;
+        let got = p.claim("b", "y", 0, Duration::from_secs(5)).await;
+        assert_eq!(got.unwrap().unwrap(), "y");
+        assert_eq!(
+            t0.elapsed(),
+            Duration::from_secs(2),
+            "the claim waited for the close"
+        );
+        // The closed pool is gone at once; its close ends on its own.
+        assert!(p.claim("a", "x", 0, Duration::from_secs(5)).await.is_none());
+        closing.await.unwrap().unwrap();
+        assert_eq!(t0.elapsed(), Duration::from_secs(10));
+    }
+}

@@ -1,0 +1,351 @@
+//! Binding by capacity: a Sandbox is bound to a node only when its request fits what
+//! the node's sandboxes leave of its allocatable, in the fair order of
+//! [`ramify_crds::capacity::fair_order`]. Pure functions over the informer cache, so
+//! every rule is unit-tested; the node agent admits again before it starts anything.
+//!
+//! What a sandbox holds: its request while it runs (or is being started). A terminal
+//! sandbox holds nothing; nor does a decided branch: the agent freezes it and gives
+//! its CPU back (the agent counts the memory it keeps; the operator cannot see that).
+//! A warm pool holds memory for each of its frozen branches.
+
+use ramify_crds::capacity::{self as cap, Requests, Waiting, group_of, rank_of};
+use ramify_crds::{Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
+
+use crate::nodes::NodeAgent;
+
+/// What the operator may do with a Sandbox waiting to be bound.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Its request fits (and it is next in the fair order).
+    Bind,
+    /// It waits for capacity on that node (the message says how much is in use).
+    Wait(String),
+    /// It is larger than the node's whole allocatable.
+    TooBig(String),
+}
+
+/// Whether the node agent has begun with it (a branch starts on its pinned node before
+/// its binding lands): it is there, whatever the accounting says.
+pub fn started(s: &Sandbox) -> bool {
+    s.status.as_ref().is_some_and(|st| {
+        st.sandbox_id.is_some()
+            || matches!(
+                st.phase,
+                SandboxPhase::Starting | SandboxPhase::Running | SandboxPhase::Paused
+            )
+    })
+}
+
+fn terminal(s: &Sandbox) -> bool {
+    s.status.as_ref().is_some_and(|st| {
+        matches!(
+            st.phase,
+            SandboxPhase::Failed | SandboxPhase::Succeeded | SandboxPhase::Aborted
+        )
+    })
+}
+
+/// What a sandbox holds of its node now.
+pub fn holds(s: &Sandbox) -> Requests {
+    let decided = s
+        .status
+        .as_ref()
+        .and_then(|st| st.branch.as_ref())
+        .is_some_and(|b| b.verdict.is_some());
+    if terminal(s) || decided {
+        Requests::ZERO
+    } else {
+        s.spec.requests()
+    }
+}
+
+/// The node whose capacity a sandbox holds: where it is bound, or where it started.
+fn placed_on(s: &Sandbox) -> Option<&str> {
+    let st = s.status.as_ref();
+    match st.and_then(|st| st.node_name.as_deref()) {
+        Some(n) => Some(n),
+        None if started(s) => s.spec.node_name.as_deref(),
+        None => None,
+    }
+}
+
+/// Not bound, not begun, not ended, not being deleted: in the queue.
+fn waiting(s: &Sandbox) -> bool {
+    s.metadata.deletion_timestamp.is_none() && placed_on(s).is_none() && !terminal(s)
+}
+
+/// Memory the warm pools on `node` keep (their branches are frozen: no CPU).
+pub fn pools_on(node: &str, snapshots: &[&Snapshot], sandboxes: &[&Sandbox]) -> Requests {
+    let mut total = Requests::ZERO;
+    for &snap in snapshots {
+        let st = snap.status.clone().unwrap_or_default();
+        let size = snap.spec.warm_pool.as_ref().map(|w| w.size).unwrap_or(0);
+        if st.node_name.as_deref() != Some(node) || st.phase != SnapshotPhase::Ready || size <= 0 {
+            continue;
+        }
+        let per = sandboxes
+            .iter()
+            .find(|s| {
+                s.metadata.namespace == snap.metadata.namespace
+                    && s.metadata.name.as_deref() == Some(snap.spec.source.sandbox.as_str())
+            })
+            .map(|s| s.spec.requests().memory_bytes)
+            .unwrap_or(cap::DEFAULT_MEMORY_REQUEST_BYTES);
+        total = total.plus(&Requests {
+            cpu_millis: 0,
+            memory_bytes: per.saturating_mul(u64::try_from(size).unwrap_or(0)),
+        });
+    }
+    total
+}
+
+/// Whether `cand` may be bound to `node` now. `target` names the node a waiting
+/// sandbox is meant for (its pin, or its snapshot's node; `None`: any node), so the
+/// queue of a node holds the sandboxes meant for it. `reserved` is what the node's
+/// warm pools keep.
+pub fn decide(
+    cand: &Sandbox,
+    node: &str,
+    allocatable: &Requests,
+    sandboxes: &[&Sandbox],
+    reserved: &Requests,
+    target: &dyn Fn(&Sandbox) -> Option<String>,
+) -> Decision {
+    let asks = cand.spec.requests();
+    if !asks.fits_in(allocatable) {
+        return Decision::TooBig(cap::too_big_message(node, allocatable, &asks));
+    }
+    let cand_uid = cand.metadata.uid.as_deref();
+    let mut used = *reserved;
+    let mut running: std::collections::HashMap<String, usize> = Default::default();
+    let mut queue = Vec::new();
+    for &s in sandboxes {
+        let is_cand = s.metadata.uid.as_deref() == cand_uid && cand_uid.is_some();
+        if placed_on(s) == Some(node) && !is_cand {
+            let h = holds(s);
+            used = used.plus(&h);
+            if h != Requests::ZERO {
+                *running.entry(group_of(s)).or_default() += 1;
+            }
+        } else if is_cand || (waiting(s) && target(s).is_none_or(|t| t == node)) {
+            queue.push(Waiting {
+                key: s.metadata.uid.clone().unwrap_or_default(),
+                group: group_of(s),
+                rank: rank_of(s),
+                asks: s.spec.requests(),
+            });
+        }
+    }
+    let ordered = cap::fair_order(&queue, &|g| running.get(g).copied().unwrap_or(0));
+    let admitted = cap::admit(&ordered, allocatable.minus(&used), allocatable);
+    if admitted
+        .iter()
+        .any(|k| Some(k.as_str()) == cand_uid || (cand_uid.is_none() && k.is_empty()))
+    {
+        Decision::Bind
+    } else {
+        Decision::Wait(cap::waiting_message(node, &used, allocatable, &asks))
+    }
+}
+
+/// For a sandbox free to go anywhere: the live node it may be bound to now (the one
+/// with the most CPU left among those that admit it), else why it waits. `None`: no
+/// live node announces an allocatable (the caller falls back to counting sandboxes).
+pub fn choose(
+    cand: &Sandbox,
+    agents: &[NodeAgent],
+    sandboxes: &[&Sandbox],
+    reserved: &dyn Fn(&str) -> Requests,
+    target: &dyn Fn(&Sandbox) -> Option<String>,
+) -> Option<Result<String, Decision>> {
+    let mut best: Option<(u64, &str)> = None;
+    let mut why: Option<Decision> = None;
+    for a in agents.iter().filter(|a| a.live) {
+        let Some(alloc) = a.allocatable else {
+            continue;
+        };
+        match decide(cand, &a.node, &alloc, sandboxes, &reserved(&a.node), target) {
+            Decision::Bind => {
+                let used: u64 = sandboxes
+                    .iter()
+                    .filter(|s| placed_on(s) == Some(a.node.as_str()))
+                    .map(|s| holds(s).cpu_millis)
+                    .sum();
+                let free = alloc.cpu_millis.saturating_sub(used);
+                if best.is_none_or(|(f, n)| free > f || (free == f && a.node.as_str() < n)) {
+                    best = Some((free, a.node.as_str()));
+                }
+            }
+            // Waiting somewhere beats being too big everywhere.
+            d @ Decision::Wait(_) => why = Some(d),
+            d @ Decision::TooBig(_) => {
+                if why.is_none() {
+                    why = Some(d);
+                }
+            }
+        }
+    }
+    match (best, why) {
+        (Some((_, node)), _) => Some(Ok(node.to_string())),
+        (None, Some(d)) => Some(Err(d)),
+        (None, None) => None,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn alloc() -> Requests {
+        Requests {
+            cpu_millis: 1600,
+            memory_bytes: 8 << 30,
+        }
+    }
+
+    fn sbx(name: &str, cpu: &str, status: serde_json::Value) -> Sandbox {
+        serde_json::from_value(json!({
+            "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+            "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"command": ["sh"], "resources": {"cpu": cpu, "memory": "256Mi"}},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn branch(set: &str, index: i32, status: serde_json::Value) -> Sandbox {
+        let mut s = sbx(&format!("{set}-b{index}"), "500m", status);
+        s.spec.command.clear();
+        s.spec.node_name = Some("vm".into());
+        s.spec.restore_from = Some(ramify_crds::RestoreFrom {
+            snapshot: format!("{set}-base"),
+            branch: Some(ramify_crds::BranchRef {
+                branch_set: set.into(),
+                name: format!("b{index}"),
+                index,
+            }),
+        });
+        s
+    }
+
+    fn pinned(_: &Sandbox) -> Option<String> {
+        Some("vm".into())
+    }
+
+    #[test]
+    fn a_request_that_does_not_fit_waits_with_the_numbers() {
+        let ws = sbx("ws", "1", json!({"phase": "Running", "nodeName": "vm"}));
+        let big = sbx("big", "1", json!({}));
+        let all = [&ws, &big];
+        match decide(&big, "vm", &alloc(), &all, &Requests::ZERO, &pinned) {
+            Decision::Wait(m) => assert!(
+                m.starts_with("waiting for capacity on node vm: 1 of 1.6 CPU"),
+                "{m}"
+            ),
+            d => panic!("{d:?}"),
+        }
+        // Once the running one is gone (or ended), it fits.
+        let ended = sbx("ws", "1", json!({"phase": "Failed", "nodeName": "vm"}));
+        assert_eq!(
+            decide(
+                &big,
+                "vm",
+                &alloc(),
+                &[&ended, &big],
+                &Requests::ZERO,
+                &pinned
+            ),
+            Decision::Bind
+        );
+        let huge = sbx("huge", "3", json!({}));
+        assert!(matches!(
+            decide(&huge, "vm", &alloc(), &[&huge], &Requests::ZERO, &pinned),
+            Decision::TooBig(_)
+        ));
+    }
+
+    #[test]
+    fn decided_branches_free_their_cpu_and_a_started_one_counts_unbound() {
+        let ws = sbx("ws", "500m", json!({"phase": "Running", "nodeName": "vm"}));
+        let decided = branch(
+            "bs",
+            0,
+            json!({"phase": "Running", "nodeName": "vm", "branch": {"verdict": "Abort"}}),
+        );
+        // Started on its pinned node before its binding landed.
+        let started = branch("bs", 1, json!({"phase": "Starting"}));
+        let next = branch("bs", 2, json!({}));
+        let after = branch("bs", 3, json!({}));
+        let all = [&ws, &decided, &started, &next, &after];
+        assert_eq!(
+            decide(&next, "vm", &alloc(), &all, &Requests::ZERO, &pinned),
+            Decision::Bind
+        );
+        // 500 + 500 + 500 (next, ahead of it) leaves no room for another 500m.
+        assert!(matches!(
+            decide(&after, "vm", &alloc(), &all, &Requests::ZERO, &pinned),
+            Decision::Wait(_)
+        ));
+    }
+
+    #[test]
+    fn a_small_set_goes_before_the_rest_of_a_big_one() {
+        let mut all = vec![sbx(
+            "ws",
+            "500m",
+            json!({"phase": "Running", "nodeName": "vm"}),
+        )];
+        all.push(branch(
+            "big",
+            0,
+            json!({"phase": "Running", "nodeName": "vm"}),
+        ));
+        for i in 1..100 {
+            all.push(branch("big", i, json!({})));
+        }
+        all.push(branch("small", 0, json!({})));
+        let all: Vec<&Sandbox> = all.iter().collect();
+        // One slot of 500m is left: the small set's first branch takes it.
+        assert_eq!(
+            decide(all[101], "vm", &alloc(), &all, &Requests::ZERO, &pinned),
+            Decision::Bind
+        );
+        assert!(matches!(
+            decide(all[2], "vm", &alloc(), &all, &Requests::ZERO, &pinned),
+            Decision::Wait(_)
+        ));
+    }
+
+    #[test]
+    fn a_free_sandbox_goes_to_the_node_with_room() {
+        let agent = |node: &str, cpu: u64| NodeAgent {
+            node: node.into(),
+            live: true,
+            capacity: 64,
+            allocatable: Some(Requests {
+                cpu_millis: cpu,
+                memory_bytes: 8 << 30,
+            }),
+        };
+        let cand = sbx("new", "1", json!({}));
+        let agents = [agent("small", 500), agent("big", 4000)];
+        let none = |_: &str| Requests::ZERO;
+        let any = |_: &Sandbox| None;
+        assert_eq!(
+            choose(&cand, &agents, &[&cand], &none, &any),
+            Some(Ok("big".into()))
+        );
+        assert!(matches!(
+            choose(&cand, &agents[..1], &[&cand], &none, &any),
+            Some(Err(Decision::TooBig(_)))
+        ));
+        let legacy = [NodeAgent {
+            allocatable: None,
+            ..agent("old", 0)
+        }];
+        assert_eq!(choose(&cand, &legacy, &[&cand], &none, &any), None);
+    }
+}
