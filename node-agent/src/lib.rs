@@ -9,6 +9,7 @@
 //! - [`exit_reason`]: why a sandbox ended (exit code, signal, out-of-memory, pids limit).
 //! - [`capacity`]: the sandbox allocatable, its ceiling cgroup, fair admission gates.
 //! - [`freezer`]: who freezes and thaws a sandbox (decided branches, a look into one).
+//! - [`procfs`]: host processes from `/proc` (pids by command line, start times).
 
 pub mod agent;
 pub mod capacity;
@@ -25,6 +26,7 @@ pub mod freezer;
 pub mod placement;
 pub mod platform;
 pub mod private;
+pub mod procfs;
 pub mod reaper;
 pub mod rootfs;
 pub mod roots;

@@ -9,8 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::engine::{pids_mentioning, proc_start_time};
 use crate::error::{Error, Result};
+use crate::procfs::{pids_mentioning, proc_start_time};
 
 /// Full `/proc` scans per reap at most: the first finds the processes, the next ones
 /// catch a process started while the first were dying (a runsc command in flight).

@@ -6,7 +6,7 @@ use std::path::Path;
 use tracing::{info, warn};
 
 use crate::cmd::Cmd;
-use crate::engine::pids_mentioning;
+use crate::procfs::pids_mentioning;
 
 /// The owner pid embedded in `s` right after `prefix`, if `s` is one of ours.
 pub fn owner_pid(s: &str, prefix: &str) -> Option<u32> {

@@ -588,7 +588,7 @@ async fn release_removes_the_input_jump_of_a_placement_made_by_an_older_agent() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_whose_workload_exits_stops_running_and_a_live_one_keeps_running() {
-    use ramify_node_agent::engine::proc_start_time;
+    use ramify_node_agent::procfs::proc_start_time;
     let h = harness("exit").await;
     let quitter = h.start("quitter", "sleep 1; exit 0", vec![]).await;
     let runner = h

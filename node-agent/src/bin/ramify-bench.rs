@@ -15,10 +15,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ramify_node_agent::cmd::Cmd;
-use ramify_node_agent::engine::{
-    Engine, EngineConfig, ForkOptions, Sandbox, StartRequest, pids_mentioning,
-};
+use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, Sandbox, StartRequest};
 use ramify_node_agent::placement::{Placement, PlacementRequest, Standalone, StandaloneConfig};
+use ramify_node_agent::procfs::pids_mentioning;
 use ramify_node_agent::rootfs::{RootfsSource, busybox_rootfs};
 use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{NetworkMode, Platform, RunscConfig, SandboxCtx};
