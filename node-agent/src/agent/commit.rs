@@ -25,10 +25,14 @@ use tracing::{info, instrument, warn};
 
 use super::commit_guard::{Conflict, PendingFullCommit, Promotes};
 use super::registry::SandboxRecord;
-use super::{Agent, COMMIT_MANAGER, MAX_LISTED_FILES, now, writes};
+use super::{Agent, now, writes};
 use crate::engine::Sandbox;
 use crate::error::{Error, Result};
 use crate::fault;
+
+const COMMIT_MANAGER: &str = "ramify-node-agent/commit";
+/// At most this many changed files are listed in a status (the count is always exact).
+const MAX_LISTED_FILES: usize = 256;
 
 /// How an attempt to commit ended.
 enum Applied {

@@ -1,0 +1,299 @@
+//! The Sandbox controller: reconciles the Sandboxes of this node (one at a time per
+//! uid), tears down a deleted one, watches a running one (its exit, a report that did
+//! not land, its branch run) and writes the agent-owned part of their status.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use ramify_crds::{
+    Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj, SandboxPhase, VerdictValue,
+};
+use serde_json::json;
+use tracing::{info, instrument};
+
+use super::{Agent, Handle, now, writes};
+use crate::engine::Sandbox;
+use crate::error::{Error, Result};
+
+const SANDBOX_MANAGER: &str = "ramify-node-agent/sandbox";
+
+impl Agent {
+    /// Writes the agent-owned part of a Sandbox's status (always the whole part: with
+    /// server-side apply, a field left out is a field given up).
+    pub(super) async fn write_sandbox_status(
+        &self,
+        obj: &SandboxObj,
+        phase: SandboxPhase,
+        sb: Option<&Sandbox>,
+        ready: (bool, &str, String),
+        extra: serde_json::Value,
+    ) -> Result<()> {
+        let api: Api<SandboxObj> =
+            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        let old = obj.status.clone().unwrap_or_default();
+        let mut conditions = old.conditions.clone();
+        let status = if ready.0 {
+            ConditionStatus::True
+        } else {
+            ConditionStatus::False
+        };
+        conditions.set_condition(
+            Condition::new("Ready", status, ready.1, ready.2, obj.metadata.generation),
+            now(),
+        );
+        let mut st = json!({
+            "phase": phase,
+            "observedGeneration": obj.metadata.generation,
+            "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
+        });
+        if let Some(sb) = sb {
+            st["sandboxId"] = json!(sb.id);
+            st["identity"] = json!(sb.identity.uid);
+        }
+        if let Some(t) = old.started_at.clone() {
+            st["startedAt"] = json!(t);
+        }
+        if let Some(rf) = old.restored_from.clone() {
+            st["restoredFrom"] = json!(rf);
+        }
+        if let Some(code) = old.exit_code {
+            st["exitCode"] = json!(code);
+        }
+        if let Some(exit) = old.exit.clone() {
+            st["exit"] = json!(exit);
+        }
+        if let (Some(dst), Some(src)) = (st.as_object_mut(), extra.as_object()) {
+            for (k, v) in src {
+                dst.insert(k.clone(), v.clone());
+            }
+        }
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": st});
+        writes::within(
+            "status",
+            api.patch_status(
+                &obj.name_any(),
+                &PatchParams::apply(SANDBOX_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
+        )
+        .await?;
+        Ok(())
+    }
+
+    #[instrument(skip_all, fields(sandbox = %obj.name_any()))]
+    pub(super) async fn reconcile_sandbox(self: &Arc<Self>, obj: &SandboxObj) -> Result<Action> {
+        let uid = obj.uid().unwrap_or_default();
+        if !self.is_mine(obj) {
+            return Ok(Action::await_change());
+        }
+        let slot = self
+            .in_flight
+            .lock()
+            .map_err(|_| Error::Join("in-flight lock poisoned".into()))?
+            .entry(uid.clone())
+            .or_default()
+            .clone();
+        let _serial = slot.lock().await;
+        let res = self.reconcile_mine(obj, &uid).await;
+        if obj.metadata.deletion_timestamp.is_some() && res.is_ok() {
+            if let Ok(mut m) = self.in_flight.lock() {
+                m.remove(&uid);
+            }
+            if let Ok(mut r) = self.reported.lock() {
+                r.remove(&uid);
+            }
+            if let Ok(mut u) = self.unreported.lock() {
+                u.remove(&uid);
+            }
+        }
+        res
+    }
+
+    /// Bound here (`status.nodeName`), or pinned here by its spec and not yet bound: the
+    /// operator binds a sandbox to its `spec.nodeName`, so a branch (whose spec names
+    /// its snapshot's node) can start before the binding write lands.
+    fn is_mine(&self, obj: &SandboxObj) -> bool {
+        let me = Some(self.cfg.node.as_str());
+        match obj.status.as_ref().and_then(|s| s.node_name.as_deref()) {
+            Some(bound) => Some(bound) == me,
+            None => obj.spec.node_name.as_deref() == me,
+        }
+    }
+
+    async fn reconcile_mine(self: &Arc<Self>, obj: &SandboxObj, uid: &str) -> Result<Action> {
+        let uid = uid.to_string();
+        if obj.metadata.deletion_timestamp.is_some() {
+            // A start or restore in flight for it finishes first (its sandbox is then
+            // destroyed here): the finalizer never goes while something of it may
+            // still come to exist on the node.
+            if self.admission.is_starting(&uid) {
+                return Ok(Action::requeue(Duration::from_millis(200)));
+            }
+            // From here on nothing is started for it again, whatever copy of the
+            // object a lagging watch still delivers; and no freeze targets it.
+            self.admission.bury(&uid);
+            self.forget_branch(&uid);
+            // A branch run holds the sandbox while its command runs: drop it now, so
+            // a loser is destroyed at once rather than when its command ends.
+            if let Ok(r) = self.runners.lock()
+                && let Some(deleted) = r.get(&uid)
+            {
+                deleted.send_replace(true);
+            }
+            match self.take_handle(&uid) {
+                Some(h) => {
+                    // A branch run lets go of it at once (dropped above); a commit in
+                    // progress is waited for.
+                    let taken = h.lock().await.take();
+                    match taken {
+                        Some(sb) => {
+                            // The object goes only once the node holds nothing of it.
+                            info!(id = %sb.id, "destroying deleted sandbox");
+                            if let Err(e) = self.engine.teardown(&sb).await {
+                                // Held again, so the retry tears down what is left (a
+                                // lease, a rule) instead of finding no handle and
+                                // releasing the finalizer over a half-removed sandbox.
+                                self.insert_handle(&uid, sb);
+                                return Err(e);
+                            }
+                        }
+                        None => {
+                            info!("deleted sandbox was already handed over (commit) or destroyed")
+                        }
+                    }
+                }
+                None => info!("deleted sandbox has no local handle"),
+            }
+            self.registry.remove_sandbox(&uid)?;
+            // Its room goes to whoever waits, now that nothing of it runs.
+            self.admission.release(&uid);
+            self.publish_capacity();
+            self.release_finalizer(obj).await?;
+            return Ok(Action::await_change());
+        }
+        if self.admission.is_buried(&uid) {
+            // A stale copy of a sandbox whose deletion this agent completed.
+            return Ok(Action::await_change());
+        }
+        let status = obj.status.clone().unwrap_or_default();
+        if let Some(h) = self.handle(&uid) {
+            return self.watch_running(obj, &uid, h).await;
+        }
+        if matches!(
+            status.phase,
+            SandboxPhase::Failed | SandboxPhase::Succeeded | SandboxPhase::Aborted
+        ) {
+            return Ok(Action::await_change());
+        }
+        if self.registry.sandbox(&uid)?.is_some_and(|r| r.handed_over) {
+            info!("this winner's sandbox was handed to its parent by a Full commit");
+            return Ok(Action::await_change());
+        }
+        if status.sandbox_id.is_some() {
+            // It ran here, and this node no longer has it: report, never restart.
+            self.write_sandbox_status(obj, SandboxPhase::Failed, None, (false, "SandboxLost", "the node agent has no record of this sandbox (its state was lost); it is not restarted fresh".into()), json!({})).await?;
+            self.event(
+                obj,
+                true,
+                "SandboxLost",
+                "sandbox state lost on the node".into(),
+            )
+            .await;
+            return Ok(Action::await_change());
+        }
+        if let Some(wait) = self.admit(obj, &uid).await? {
+            return Ok(wait);
+        }
+        self.start_sandbox(obj, &uid).await
+    }
+
+    async fn watch_running(
+        self: &Arc<Self>,
+        obj: &SandboxObj,
+        uid: &str,
+        h: Handle,
+    ) -> Result<Action> {
+        // Held by a branch's run or verdict command (or a commit): the sandbox is in
+        // use, so look again later. Waiting here would hold up this sandbox's next
+        // reconcile (its deletion among them) for as long as the command runs.
+        let Ok(guard) = h.try_lock() else {
+            return Ok(Action::requeue(Duration::from_secs(2)));
+        };
+        let Some(sb) = guard.as_ref() else {
+            return Ok(Action::await_change());
+        };
+        // A frozen branch runs (it only does not get CPU); asking runsc would wait on it.
+        let running = self.decided.is_frozen(uid) || self.engine.is_running(sb).await?;
+        let status = obj.status.clone().unwrap_or_default();
+        if !running && status.phase == SandboxPhase::Running {
+            self.report_exit(obj, sb).await?;
+            // Its processes are gone: so is what they held of the node.
+            self.admission.capacity.leave(uid);
+            self.publish_capacity();
+            return Ok(Action::await_change());
+        }
+        let reported = self
+            .reported
+            .lock()
+            .map(|r| r.contains(uid))
+            .unwrap_or(false);
+        if running
+            && !reported
+            && status.phase != SandboxPhase::Running
+            && status.phase != SandboxPhase::Paused
+        {
+            // Re-adopted after a restart, or its first report did not land.
+            let extra = self
+                .unreported
+                .lock()
+                .ok()
+                .and_then(|u| u.get(uid).cloned())
+                .unwrap_or_else(|| json!({}));
+            self.write_sandbox_status(
+                obj,
+                SandboxPhase::Running,
+                Some(sb),
+                (true, "Running", format!("running as {}", sb.id)),
+                extra,
+            )
+            .await?;
+            self.mark_reported(uid);
+        }
+        drop(guard);
+        if let Some(branch) = obj
+            .spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.branch.clone())
+            && status.branch.as_ref().and_then(|b| b.verdict).is_none()
+            && !self
+                .runners
+                .lock()
+                .map(|r| r.contains_key(uid))
+                .unwrap_or(true)
+        {
+            let rec = self.registry.sandbox(uid)?;
+            let recorded = rec.as_ref().and_then(|r| r.outcome.clone());
+            let started_by = rec.and_then(|r| r.run_epoch);
+            if let Some(outcome) = recorded {
+                // Decided, but the report did not land (API outage, or a crash in
+                // between): send it again (frozen meanwhile).
+                self.freeze_branch(uid).await;
+                let api: Api<SandboxObj> =
+                    Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+                self.report_outcome(&api, &obj.name_any(), &outcome).await?;
+            } else if started_by.as_deref() == Some(self.epoch.as_str()) {
+                // This process ran it and finished: the outcome write is on its way.
+            } else if started_by.is_some() {
+                // The run was under way when the agent died; its result is unknown.
+                self.write_outcome(obj, None, VerdictValue::Abort, "the node agent restarted while this branch ran; its outcome is unknown, so it aborts".into(), None, None, None).await?;
+            } else {
+                self.spawn_branch_run(obj.clone(), uid.to_string(), branch, 0);
+            }
+        }
+        Ok(Action::requeue(Duration::from_secs(10)))
+    }
+}

@@ -1,0 +1,318 @@
+//! The Snapshot controller: captures a Snapshot of a sandbox running here, records
+//! its image before reporting it Ready, keeps its warm pool at the asked size (within
+//! this node's capacity), and removes the image when the Snapshot goes.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use ramify_crds::{
+    Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj, Snapshot as SnapshotObj,
+    SnapshotPhase,
+};
+use serde_json::json;
+use tracing::instrument;
+
+use super::registry::SnapshotRecord;
+use super::{Agent, admission, error_category, millis, now, short_version, writes};
+use crate::error::Result;
+
+const SNAPSHOT_MANAGER: &str = "ramify-node-agent/snapshot";
+
+impl Agent {
+    #[instrument(skip_all, fields(snapshot = %snap.name_any()))]
+    pub(super) async fn reconcile_snapshot(&self, snap: &SnapshotObj) -> Result<Action> {
+        let uid = snap.uid().unwrap_or_default();
+        let ns = snap.namespace().unwrap_or_default();
+        if snap.status.as_ref().and_then(|s| s.node_name.as_deref()) != Some(self.cfg.node.as_str())
+        {
+            return Ok(Action::await_change());
+        }
+        if snap.metadata.deletion_timestamp.is_some() {
+            if let Err(e) = self.pools.replace(&uid, None).await {
+                self.cleanup_failed(snap, "close warm pool", &e);
+            }
+            self.admission.capacity.leave(&admission::pool_key(&uid));
+            if let Some(rec) = self.registry.snapshot(&uid)? {
+                self.engine.store().remove(&rec.image_id)?;
+                self.registry.remove_snapshot(&uid)?;
+            }
+            self.release_finalizer(snap).await?;
+            return Ok(Action::await_change());
+        }
+        let status = snap.status.clone().unwrap_or_default();
+        if let Some(rec) = self.registry.snapshot(&uid)? {
+            if status.phase != SnapshotPhase::Ready {
+                // Captured before a crash, not yet reported.
+                let meta = self.engine.store().meta(&rec.image_id)?;
+                self.write_snapshot_ready(snap, &meta, None, rec.source_commit_generation)
+                    .await?;
+            }
+            return self.keep_pool(snap, &uid, &rec).await;
+        }
+        if status.phase == SnapshotPhase::Failed {
+            return Ok(Action::await_change());
+        }
+        if status.phase == SnapshotPhase::Ready {
+            // Reported Ready from an image this node no longer has a record of (the
+            // record was lost or unreadable): say so rather than capture anew.
+            return self
+                .fail_snapshot(
+                    snap,
+                    "ImageLost",
+                    "this node has no record of the snapshot's image (lost or unreadable); it is not captured again".into(),
+                )
+                .await;
+        }
+        let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
+        let Some(source) = sandboxes.get_opt(&snap.spec.source.sandbox).await? else {
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        };
+        let Some(h) = source.uid().and_then(|u| self.handle(&u)) else {
+            // Not running here yet.
+            return Ok(Action::requeue(Duration::from_millis(500)));
+        };
+        self.write_snapshot_phase(snap, SnapshotPhase::Capturing)
+            .await?;
+        let ttl = snap
+            .spec
+            .ttl_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .map(Duration::from_secs);
+        let source_uid = source.uid().unwrap_or_default();
+        let (info, generation) = {
+            let mut g = h.lock().await;
+            let Some(sb) = g.as_mut() else {
+                return Ok(Action::requeue(Duration::from_secs(1)));
+            };
+            // The fork point, read under the lock commits take: it is the generation of
+            // exactly the state captured.
+            let generation = self
+                .registry
+                .sandbox(&source_uid)?
+                .map(|r| r.commits.generation)
+                .unwrap_or(0);
+            let r = self.engine.snapshot(sb, ttl).await;
+            if r.is_ok() {
+                self.engine.persist(sb)?;
+            }
+            (r, generation)
+        };
+        let info = match info {
+            Ok(i) => i,
+            Err(e) => {
+                self.metrics.failed("snapshot", error_category(&e));
+                return self
+                    .fail_snapshot(snap, "CaptureFailed", e.to_string())
+                    .await;
+            }
+        };
+        self.metrics
+            .capture_seconds
+            .observe(info.checkpoint.as_secs_f64());
+        self.metrics
+            .source_pause_seconds
+            .observe(info.source_pause.as_secs_f64());
+        self.registry.put_snapshot(&SnapshotRecord {
+            namespace: ns,
+            name: snap.name_any(),
+            uid: uid.clone(),
+            image_id: info.meta.id.clone(),
+            source_commit_generation: generation,
+        })?;
+        self.write_snapshot_ready(snap, &info.meta, Some(info.source_pause), generation)
+            .await?;
+        self.event(
+            snap,
+            false,
+            "Captured",
+            format!(
+                "{} bytes in {} ms (source paused {} ms)",
+                info.meta.size_bytes,
+                info.checkpoint.as_millis(),
+                info.source_pause.as_millis()
+            ),
+        )
+        .await;
+        Ok(Action::requeue(Duration::from_millis(200)))
+    }
+
+    async fn keep_pool(
+        &self,
+        snap: &SnapshotObj,
+        uid: &str,
+        rec: &SnapshotRecord,
+    ) -> Result<Action> {
+        let want = snap
+            .spec
+            .warm_pool
+            .as_ref()
+            .map(|w| usize::try_from(w.size).unwrap_or(0))
+            .unwrap_or(0);
+        let reservation = admission::pool_key(uid);
+        let have = self.pools.size(uid);
+        if have.is_some() && have != Some(want) {
+            // Resized or emptied: the old pool goes, and what it held with it.
+            if let Err(e) = self.pools.replace(uid, None).await {
+                self.cleanup_failed(snap, "close resized warm pool", &e);
+            }
+            self.admission.capacity.leave(&reservation);
+        }
+        if want == 0 {
+            self.admission.capacity.leave(&reservation);
+        } else if self.pools.size(uid).is_none() {
+            // The pool's frozen branches hold memory (no CPU) of this node: it fills
+            // once that fits, and its refills queue for restore slots like any restore.
+            let group = format!(
+                "pool/{}/{}",
+                snap.namespace().unwrap_or_default(),
+                snap.name_any()
+            );
+            let asks = self.pool_asks(snap, want);
+            if self
+                .admission
+                .capacity
+                .enter(&reservation, &group, (0, String::new()), asks)
+            {
+                let pool = self.engine.warm_pool_gated(
+                    &rec.image_id,
+                    want,
+                    self.admission.restores.clone(),
+                    group,
+                );
+                if let Err(e) = self.pools.replace(uid, Some(pool)).await {
+                    self.cleanup_failed(snap, "close resized warm pool", &e);
+                }
+            }
+            self.publish_capacity();
+        }
+        let ready = self.pools.ready(uid);
+        let reported = snap
+            .status
+            .as_ref()
+            .and_then(|s| s.warm.as_ref())
+            .map(|w| w.ready);
+        let ready_i32 = i32::try_from(ready).unwrap_or(i32::MAX);
+        if want > 0 && reported != Some(ready_i32) {
+            let api: Api<SnapshotObj> =
+                Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+            let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"warm": {"ready": ready_i32}}});
+            writes::within(
+                "status",
+                api.patch_status(
+                    &snap.name_any(),
+                    &PatchParams::apply("ramify-node-agent/warm-pool").force(),
+                    &Patch::Apply(&body),
+                ),
+            )
+            .await?;
+        }
+        // Claims drain the pool between reconciles: look again soon (a local check; the
+        // status is written only when the count changed), so `warm.ready` stays true.
+        Ok(if want > 0 {
+            Action::requeue(Duration::from_millis(250))
+        } else {
+            Action::await_change()
+        })
+    }
+
+    async fn write_snapshot_phase(&self, snap: &SnapshotObj, phase: SnapshotPhase) -> Result<()> {
+        let api: Api<SnapshotObj> =
+            Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"phase": phase}});
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn write_snapshot_ready(
+        &self,
+        snap: &SnapshotObj,
+        meta: &crate::store::SnapshotMeta,
+        pause: Option<Duration>,
+        source_generation: u64,
+    ) -> Result<()> {
+        let api: Api<SnapshotObj> =
+            Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        let mut conditions = snap.status.clone().unwrap_or_default().conditions;
+        conditions.set_condition(
+            Condition::new(
+                "Ready",
+                ConditionStatus::True,
+                "Captured",
+                format!("image {} verified", meta.id),
+                snap.metadata.generation,
+            ),
+            now(),
+        );
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {
+            "phase": SnapshotPhase::Ready,
+            "sizeBytes": meta.size_bytes,
+            "sha256": meta.sha256,
+            "runscVersion": short_version(&meta.runsc_version),
+            // Images recorded before platforms were came from ptrace.
+            "platform": meta.platform.as_deref().unwrap_or("ptrace"),
+            "captureMillis": meta.capture_millis,
+            "sourceCommitGeneration": source_generation,
+            "sourcePauseMillis": pause.map(millis).unwrap_or(i64::try_from(meta.source_pause_millis).unwrap_or(0)),
+            "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),
+            "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
+        }});
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn fail_snapshot(
+        &self,
+        snap: &SnapshotObj,
+        reason: &str,
+        message: String,
+    ) -> Result<Action> {
+        let api: Api<SnapshotObj> =
+            Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        let mut conditions = snap.status.clone().unwrap_or_default().conditions;
+        conditions.set_condition(
+            Condition::new(
+                "Ready",
+                ConditionStatus::False,
+                reason,
+                message.clone(),
+                snap.metadata.generation,
+            ),
+            now(),
+        );
+        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {
+            "phase": SnapshotPhase::Failed,
+            "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
+        }});
+        writes::within(
+            "status",
+            api.patch_status(
+                &snap.name_any(),
+                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &Patch::Apply(&body),
+            ),
+        )
+        .await?;
+        self.event(snap, true, reason, message).await;
+        Ok(Action::await_change())
+    }
+}

@@ -1,0 +1,358 @@
+//! Starting a Sandbox: fresh from its RootfsClass, or a branch from its snapshot (a
+//! warm pool first, then a cold restore), recorded before it is reported Running.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::ResourceExt;
+use kube::api::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
+use ramify_crds::{
+    BranchSet, CommitMode, REASON_ROOTFS_REFUSED, Sandbox as SandboxObj, SandboxPhase,
+    Snapshot as SnapshotObj, SnapshotPhase,
+};
+use serde_json::json;
+use tracing::warn;
+
+use super::registry::SandboxRecord;
+use super::{Agent, error_category, millis, now, rootfs_class, short_version};
+use crate::engine::{Sandbox, StartRequest};
+use crate::error::{Error, Result};
+use crate::placement::Cidr;
+use crate::rootfs::RootfsSource;
+use crate::spec::{Resources, WorkloadSpec};
+
+/// Quantity parsing is shared with the operator's capacity accounting.
+use ramify_crds::capacity::{cpu_millis, memory_bytes};
+
+/// The workload of a Sandbox object.
+pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
+    let res = sbx
+        .spec
+        .resources
+        .clone()
+        .unwrap_or(ramify_crds::Resources {
+            cpu: None,
+            memory: None,
+            pids: None,
+        });
+    WorkloadSpec {
+        args: sbx.spec.command.clone(),
+        env: sbx
+            .spec
+            .env
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone()))
+            .collect(),
+        cwd: sbx.spec.working_dir.clone().unwrap_or_else(|| "/".into()),
+        hostname: sbx.name_any().chars().take(63).collect(),
+        resources: Resources {
+            cpu_millis: res.cpu.as_deref().and_then(cpu_millis),
+            memory_bytes: res.memory.as_deref().and_then(memory_bytes),
+            pids: res.pids.and_then(|p| u64::try_from(p).ok()),
+        },
+    }
+}
+
+/// Egress allowlist of a Sandbox object (empty: deny everything).
+pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Cidr>> {
+    match sbx.spec.network.egress {
+        ramify_crds::Egress::Deny => Ok(Vec::new()),
+        ramify_crds::Egress::Allow => sbx
+            .spec
+            .network
+            .allow
+            .iter()
+            .map(|r| r.cidr.parse())
+            .collect(),
+    }
+}
+
+impl Agent {
+    pub(super) async fn start_sandbox(
+        self: &Arc<Self>,
+        obj: &SandboxObj,
+        uid: &str,
+    ) -> Result<Action> {
+        let t0 = Instant::now();
+        // In flight from here until its handle is held (or it failed): a deletion
+        // meanwhile waits for it.
+        let _claim = self.admission.claim(uid);
+        let slot = self.admission.restores.permit(uid);
+        self.publish_capacity();
+        let started = match &obj.spec.restore_from {
+            Some(rf) => self.start_from_snapshot(obj, rf).await,
+            None => match self.fresh_source(obj).await {
+                // A failed API read is not the sandbox's fault: retried, not Failed.
+                Err(e @ Error::Kube(_)) => return Err(e),
+                Err(e) => Err(e),
+                Ok((class, source)) => {
+                    self.write_sandbox_status(
+                        obj,
+                        SandboxPhase::Starting,
+                        None,
+                        (false, "Starting", "starting".into()),
+                        json!({}),
+                    )
+                    .await?;
+                    self.start_fresh(obj, source.clone())
+                        .await
+                        .map(|sb| (sb, json!({}), None))
+                        .map_err(|e| rootfs_class::name_the_field(&class, &source, e))
+                }
+            },
+        };
+        drop(slot);
+        // A warm claim took no slot; any place it still had in the queue goes too.
+        self.admission.restores.leave(uid);
+        let (sb, extra, fork_generation) = match started {
+            Ok(x) => x,
+            Err(e) => {
+                // Nothing of it runs: its room goes to whoever waits.
+                self.admission.release(uid);
+                self.publish_capacity();
+                // Refused at the first reconcile and never retried: the spec's rootfs
+                // (and the image's platform) is immutable, so a retry could only be
+                // refused again.
+                let reason = match &e {
+                    Error::RootfsRefused(_) => REASON_ROOTFS_REFUSED,
+                    Error::PlatformMismatch { .. } => ramify_crds::REASON_PLATFORM_MISMATCH,
+                    _ if obj.spec.restore_from.is_some() => "RestoreFailed",
+                    _ => "StartFailed",
+                };
+                self.metrics.failed("sandbox", error_category(&e));
+                self.write_sandbox_status(
+                    obj,
+                    SandboxPhase::Failed,
+                    None,
+                    (false, reason, e.to_string()),
+                    json!({}),
+                )
+                .await?;
+                self.event(obj, true, reason, e.to_string()).await;
+                return Ok(Action::await_change());
+            }
+        };
+        // Record before reporting: a crash from here on re-adopts the sandbox.
+        self.engine.persist(&sb)?;
+        self.registry.put_sandbox(&SandboxRecord {
+            namespace: obj.namespace().unwrap_or_default(),
+            name: obj.name_any(),
+            uid: uid.to_string(),
+            sandbox_id: sb.id.clone(),
+            fork_generation,
+            ..Default::default()
+        })?;
+        let mut extra = extra;
+        extra["startedAt"] = json!(now());
+        let fork_millis = millis(t0.elapsed());
+        // Held from here on: if the report below fails (an API-server outage), the
+        // retry finds the sandbox and reports it; it never starts a second one.
+        let running_as = format!("running as {}", sb.id);
+        self.remember_branch(uid, obj, &sb);
+        let h = self.insert_handle(uid, sb);
+        if let Ok(mut u) = self.unreported.lock() {
+            u.insert(uid.to_string(), extra.clone());
+        }
+        {
+            let g = h.lock().await;
+            self.write_sandbox_status(
+                obj,
+                SandboxPhase::Running,
+                g.as_ref(),
+                (true, "Running", running_as),
+                extra,
+            )
+            .await?;
+        }
+        self.mark_reported(uid);
+        if let Some(branch) = obj
+            .spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.branch.clone())
+        {
+            self.spawn_branch_run(obj.clone(), uid.to_string(), branch, fork_millis);
+        }
+        Ok(Action::requeue(Duration::from_secs(10)))
+    }
+
+    /// Which RootfsClass a fresh sandbox names, and what it points to.
+    async fn fresh_source(&self, obj: &SandboxObj) -> Result<(String, RootfsSource)> {
+        match (&obj.spec.rootfs, &obj.spec.image) {
+            (Some(r), _) => rootfs_class::source_of(&self.client, r).await,
+            (None, Some(image)) => Err(Error::Invalid(format!(
+                "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs.class"
+            ))),
+            (None, None) => Err(Error::Invalid(
+                "neither spec.rootfs nor spec.image is set".into(),
+            )),
+        }
+    }
+
+    async fn start_fresh(&self, obj: &SandboxObj, rootfs: RootfsSource) -> Result<Sandbox> {
+        self.engine
+            .start(StartRequest {
+                name: obj.name_any(),
+                rootfs,
+                workload: workload_of(obj),
+                egress_allow: egress_of(obj)?,
+            })
+            .await
+    }
+
+    /// Restores a branch (warm pool first, then cold) and returns its provenance and
+    /// its fork point (the parent's commit generation its snapshot recorded).
+    async fn start_from_snapshot(
+        &self,
+        obj: &SandboxObj,
+        rf: &ramify_crds::RestoreFrom,
+    ) -> Result<(Sandbox, serde_json::Value, Option<u64>)> {
+        let ns = obj.namespace().unwrap_or_default();
+        let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
+        // The watch cache first (a Ready snapshot of this node is there); the API
+        // server when the cache has not seen it Ready yet. Both reads at once: this is
+        // the fork's critical path.
+        let cached = self.cache.get().and_then(|c| {
+            let snap = c.snapshots.get(&ObjectRef::new(&rf.snapshot).within(&ns))?;
+            let snap = snap.0.as_ref().ok()?;
+            let st = snap.status.as_ref()?;
+            (st.phase == SnapshotPhase::Ready).then(|| snap.clone())
+        });
+        let (snap, track) = tokio::try_join!(
+            async {
+                match cached {
+                    Some(s) => Ok(Some(s)),
+                    None => snaps.get_opt(&rf.snapshot).await.map_err(Error::from),
+                }
+            },
+            self.tracked_globs(obj)
+        )?;
+        let snap = snap.ok_or_else(|| Error::Snapshot {
+            id: rf.snapshot.clone(),
+            reason: "not found".into(),
+        })?;
+        let st = snap.status.clone().unwrap_or_default();
+        if st.phase != SnapshotPhase::Ready {
+            return Err(Error::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: format!("is {:?}, not Ready", st.phase),
+            });
+        }
+        if st.node_name.as_deref() != Some(self.cfg.node.as_str()) {
+            return Err(Error::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: format!(
+                    "is stored on node {:?}, not on {}",
+                    st.node_name, self.cfg.node
+                ),
+            });
+        }
+        let rec = self
+            .registry
+            .snapshot(&snap.uid().unwrap_or_default())?
+            .ok_or_else(|| Error::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: "this node holds no image for it".into(),
+            })?;
+        let (name, index) = rf
+            .branch
+            .as_ref()
+            .map(|b| (b.name.clone(), u32::try_from(b.index).unwrap_or(0)))
+            .unwrap_or_else(|| (obj.name_any(), 0));
+
+        let t0 = Instant::now();
+        // A warm branch has no baseline manifest, so Paths commits restore cold.
+        let warm = if track.is_empty() {
+            self.pools
+                .claim(
+                    &snap.uid().unwrap_or_default(),
+                    &name,
+                    index,
+                    Duration::from_secs(5),
+                )
+                .await
+        } else {
+            None
+        };
+        let (sb, was_warm) = match warm {
+            Some(Ok(sb)) => {
+                self.metrics.warm_hits.inc();
+                self.metrics
+                    .warm_claim_seconds
+                    .observe(t0.elapsed().as_secs_f64());
+                (sb, true)
+            }
+            other => {
+                if let Some(Err(e)) = other {
+                    warn!(error = %e, "warm claim failed; restoring cold");
+                }
+                self.metrics.warm_misses.inc();
+                // A cold restore takes a while: say so (a warm claim goes straight to
+                // Running). The note goes out while the restore runs, not before it,
+                // and a failed note never costs the restored sandbox: it is reported
+                // Running (or Failed) next anyway.
+                let (noted, sb) = futures::join!(
+                    self.write_sandbox_status(
+                        obj,
+                        SandboxPhase::Starting,
+                        None,
+                        (
+                            false,
+                            "Restoring",
+                            format!("restoring from snapshot {}", rf.snapshot),
+                        ),
+                        json!({}),
+                    ),
+                    self.engine.fork_one(&rec.image_id, &name, index, &track)
+                );
+                if let Err(e) = noted {
+                    warn!(error = %e, "could not report Restoring");
+                }
+                let sb = sb?;
+                self.metrics
+                    .restore_seconds
+                    .observe(t0.elapsed().as_secs_f64());
+                (sb, false)
+            }
+        };
+        let extra = json!({"restoredFrom": {
+            "snapshot": rf.snapshot,
+            "runscVersion": short_version(self.engine.runsc().version()),
+            "sha256": st.sha256,
+            "warm": was_warm,
+        }});
+        Ok((sb, extra, Some(rec.source_commit_generation)))
+    }
+
+    /// Globs to record right after restore (a Paths commit diffs against them).
+    async fn tracked_globs(&self, obj: &SandboxObj) -> Result<Vec<String>> {
+        let Some(branch) = obj
+            .spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.branch.as_ref())
+        else {
+            return Ok(Vec::new());
+        };
+        let ns = obj.namespace().unwrap_or_default();
+        let cached = self.cache.get().and_then(|c| {
+            let bs = c
+                .branchsets
+                .get(&ObjectRef::new(&branch.branch_set).within(&ns))?;
+            bs.0.as_ref().ok().cloned()
+        });
+        let bs = match cached {
+            Some(bs) => Some(bs),
+            None => {
+                let api: Api<BranchSet> = Api::namespaced(self.client.clone(), &ns);
+                api.get_opt(&branch.branch_set).await?
+            }
+        };
+        Ok(match bs {
+            Some(bs) if bs.spec.commit.mode == CommitMode::Paths => bs.spec.commit.paths.clone(),
+            _ => Vec::new(),
+        })
+    }
+}
