@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tracing::warn;
 
-use crate::engine::{Engine, Sandbox};
+use crate::engine::{Engine, LocalSandbox};
 use crate::error::Error;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -42,7 +42,7 @@ impl Engine {
     /// Destroys a sandbox on an error path: retried, and a failure that outlasts the
     /// retries is logged (with `why` it was destroyed) and counted. Returns it for a
     /// caller that reports further.
-    pub async fn destroy_or_report(&self, sb: Sandbox, why: &str) -> Option<Error> {
+    pub async fn destroy_or_report(&self, sb: LocalSandbox, why: &str) -> Option<Error> {
         let mut attempt = 0;
         loop {
             match self.teardown(&sb).await {

@@ -21,7 +21,7 @@ use k8s_openapi::jiff::Timestamp;
 use ramify_crds::{ExitReason, SandboxExit};
 
 use crate::cgroup;
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::runsc::{Runsc, SandboxCtx};
 
 /// How the first process ended, as the sandbox process logged it.
@@ -209,7 +209,7 @@ pub fn classify(boot: &BootExit, limits: &LimitFacts) -> SandboxExit {
 
 /// How `sb` ended (call once it stopped running). Reads files: run it off the async
 /// workers.
-pub fn observe(runsc: &Runsc, sb: &Sandbox) -> SandboxExit {
+pub fn observe(runsc: &Runsc, sb: &LocalSandbox) -> SandboxExit {
     observe_parts(runsc, sb.ctx(), sb.cgroups_path())
 }
 

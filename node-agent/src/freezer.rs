@@ -8,7 +8,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use crate::cgroup;
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 
 /// The lock file of a sandbox's freezer state.
@@ -53,7 +53,7 @@ pub struct Look {
 }
 
 impl Look {
-    pub async fn begin(sb: &Sandbox) -> Result<Look> {
+    pub async fn begin(sb: &LocalSandbox) -> Result<Look> {
         let dir = sb.dir.clone();
         let lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
             .await

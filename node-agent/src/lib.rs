@@ -37,7 +37,7 @@ pub mod store;
 pub mod sweep;
 
 pub use engine::{
-    CommitReport, Engine, EngineConfig, ForkOptions, Recovered, Sandbox, SnapshotInfo,
+    CommitReport, Engine, EngineConfig, ForkOptions, LocalSandbox, Recovered, SnapshotInfo,
     StartRequest, Unreadable, WarmPool,
 };
 pub use error::{Error, Result};

@@ -315,7 +315,7 @@ async fn local(
     platform: &str,
     state_dir: &Path,
     key: &str,
-) -> anyhow::Result<(Engine, ramify_node_agent::Sandbox)> {
+) -> anyhow::Result<(Engine, ramify_node_agent::LocalSandbox)> {
     let engine = local_engine(cli_runsc, platform, state_dir).await?;
     let sb = find(&engine, state_dir, key).await?;
     Ok((engine, sb))
@@ -326,7 +326,7 @@ async fn find(
     engine: &Engine,
     state_dir: &Path,
     key: &str,
-) -> anyhow::Result<ramify_node_agent::Sandbox> {
+) -> anyhow::Result<ramify_node_agent::LocalSandbox> {
     let (ns, name) = key
         .split_once('/')
         .ok_or_else(|| anyhow::anyhow!("expected NAMESPACE/NAME, got {key:?}"))?;

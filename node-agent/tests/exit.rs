@@ -9,12 +9,17 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ramify_crds::{ExitReason, SandboxExit};
-use ramify_node_agent::engine::{Sandbox, StartRequest};
+use ramify_node_agent::engine::{LocalSandbox, StartRequest};
 use ramify_node_agent::exit_reason;
 use ramify_node_agent::rootfs::RootfsSource;
 use ramify_node_agent::spec::Resources;
 
-async fn start_limited(h: &Harness, name: &str, script: &str, resources: Resources) -> Sandbox {
+async fn start_limited(
+    h: &Harness,
+    name: &str,
+    script: &str,
+    resources: Resources,
+) -> LocalSandbox {
     let mut workload = h.workload(script);
     workload.resources = resources;
     h.engine
@@ -29,7 +34,7 @@ async fn start_limited(h: &Harness, name: &str, script: &str, resources: Resourc
 }
 
 /// Waits until `sb` stopped, then reads how it ended.
-async fn ended(h: &Harness, sb: &Sandbox, secs: u64) -> SandboxExit {
+async fn ended(h: &Harness, sb: &LocalSandbox, secs: u64) -> SandboxExit {
     poll_until(&format!("{} stops", sb.name), secs, async || {
         !h.engine.is_running(sb).await.unwrap()
     })

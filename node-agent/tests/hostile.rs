@@ -9,9 +9,13 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ramify_node_agent::control::{EFFECTS_DIR, MAX_EFFECTS, Rejected, VERDICT_FILE, Verdict};
-use ramify_node_agent::engine::{ForkOptions, Sandbox};
+use ramify_node_agent::engine::{ForkOptions, LocalSandbox};
 
-fn timed_scan(h: &Harness, sb: &Sandbox, what: &str) -> ramify_node_agent::control::ControlScan {
+fn timed_scan(
+    h: &Harness,
+    sb: &LocalSandbox,
+    what: &str,
+) -> ramify_node_agent::control::ControlScan {
     let t = Instant::now();
     let s = h.engine.control(sb);
     let took = t.elapsed();

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use ramify_node_agent::control::Identity;
-use ramify_node_agent::engine::{ForkOptions, Sandbox};
+use ramify_node_agent::engine::{ForkOptions, LocalSandbox};
 
 /// Every 100 ms: `<n> <drawn before the snapshot> <fresh read> <read on an fd opened
 /// before the snapshot> <hostname>`. `PRE` is a shell variable filled once at boot (a buffered
@@ -34,7 +34,7 @@ struct Line {
     host: String,
 }
 
-async fn lines(h: &Harness, sb: &Sandbox) -> Vec<Line> {
+async fn lines(h: &Harness, sb: &LocalSandbox) -> Vec<Line> {
     h.sh(sb, "cat /tmp/rand")
         .await
         .lines()

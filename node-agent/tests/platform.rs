@@ -40,7 +40,7 @@ async fn auto_takes_systrap_where_it_works_and_falls_back_to_ptrace_saying_why()
     h.finish().await;
 }
 
-async fn counter_advances(h: &Harness, sb: &ramify_node_agent::Sandbox) {
+async fn counter_advances(h: &Harness, sb: &ramify_node_agent::LocalSandbox) {
     let first = h.counter(sb).await;
     poll_until("the restored counter advances", 20, async || {
         h.counter(sb).await > first

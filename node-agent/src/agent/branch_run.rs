@@ -13,7 +13,7 @@ use tracing::{info, instrument, warn};
 
 use super::{Agent, Handle, millis, now, verdict_watch, writes};
 use crate::control::Verdict;
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 
 const BRANCH_MANAGER: &str = "ramify-node-agent/branch";
@@ -204,7 +204,7 @@ impl Agent {
         let watch_file = async {
             // The sandbox as it is now (a Full commit into this branch swaps it); not
             // known while a command holds it, and no commit swaps it meanwhile.
-            let current = || h.try_lock().ok()?.as_ref().map(Sandbox::control_dir);
+            let current = || h.try_lock().ok()?.as_ref().map(LocalSandbox::control_dir);
             let v = match watch.verdict(current).await {
                 Verdict::Commit => VerdictValue::Commit,
                 Verdict::Abort => VerdictValue::Abort,

@@ -26,7 +26,7 @@ use tracing::{info, instrument, warn};
 use super::commit_guard::{Conflict, PendingFullCommit, Promotes};
 use super::registry::SandboxRecord;
 use super::{Agent, now, writes};
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 use crate::fault;
 
@@ -330,7 +330,7 @@ impl Agent {
     pub(super) async fn finish_full_commit(
         &self,
         rec: &mut SandboxRecord,
-        retired: Option<Sandbox>,
+        retired: Option<LocalSandbox>,
     ) -> Result<()> {
         let Some(pending) = rec.pending_full_commit.clone() else {
             return Ok(());

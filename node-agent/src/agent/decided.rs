@@ -14,7 +14,7 @@ use tracing::{debug, warn};
 
 use super::Agent;
 use crate::cgroup;
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 use crate::freezer::FreezeLock;
 
@@ -53,7 +53,7 @@ impl Decided {
 
 impl Agent {
     /// Remembers a branch's place (at its start, or re-adopted after a restart).
-    pub(super) fn remember_branch(&self, uid: &str, obj: &SandboxObj, sb: &Sandbox) {
+    pub(super) fn remember_branch(&self, uid: &str, obj: &SandboxObj, sb: &LocalSandbox) {
         let Some(b) = obj
             .spec
             .restore_from
@@ -78,7 +78,7 @@ impl Agent {
 
     /// A commit Full swapped another sandbox in under this branch (it was the parent
     /// of a nested set): freezes and thaws now go to that one.
-    pub(super) fn rehome_branch(&self, uid: &str, sb: &Sandbox) {
+    pub(super) fn rehome_branch(&self, uid: &str, sb: &LocalSandbox) {
         if let Ok(mut p) = self.decided.places.lock()
             && let Some(place) = p.get_mut(uid)
         {

@@ -32,7 +32,7 @@ use tokio_tungstenite::tungstenite::protocol::Role;
 use tracing::{info, warn};
 
 use super::registry::Registry;
-use crate::engine::{Engine, Sandbox};
+use crate::engine::{Engine, LocalSandbox};
 use crate::freezer::Look;
 
 /// Where and how the endpoint listens.
@@ -140,7 +140,7 @@ pub async fn local_sandbox(
     registry: &Registry,
     namespace: &str,
     name: &str,
-) -> Result<Sandbox, EndpointError> {
+) -> Result<LocalSandbox, EndpointError> {
     let rec = registry
         .sandboxes()?
         .records
@@ -206,7 +206,7 @@ impl State {
         }
     }
 
-    fn exec(&self, req: &mut Request<Incoming>, sb: Sandbox) -> Response<Body> {
+    fn exec(&self, req: &mut Request<Incoming>, sb: LocalSandbox) -> Response<Body> {
         let argv = https::query_values(req, "command");
         let cmd = match self.engine.exec_command(&sb, &argv) {
             Ok(c) => c,
@@ -244,7 +244,7 @@ impl State {
         accept.response
     }
 
-    async fn log(&self, sb: &Sandbox) -> Response<Body> {
+    async fn log(&self, sb: &LocalSandbox) -> Response<Body> {
         let path = self.engine.log_path(sb);
         let file = match tokio::fs::File::open(&path).await {
             Ok(f) => f,

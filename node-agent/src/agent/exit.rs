@@ -8,12 +8,12 @@ use serde_json::json;
 use tracing::info;
 
 use super::Agent;
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 
 impl Agent {
     /// `sb` stopped running: say how, once (the phase leaves `Running`).
-    pub(super) async fn report_exit(&self, obj: &SandboxObj, sb: &Sandbox) -> Result<Action> {
+    pub(super) async fn report_exit(&self, obj: &SandboxObj, sb: &LocalSandbox) -> Result<Action> {
         let runsc = self.engine.runsc().clone();
         let (ctx, cgroups_path) = (sb.ctx().clone(), sb.cgroups_path().to_string());
         let exit = tokio::task::spawn_blocking(move || {

@@ -51,7 +51,7 @@ use ramify_crds::{
 use tokio::sync::Mutex as AsyncMutex;
 use tracing::{info, warn};
 
-use crate::engine::{Engine, Sandbox, WarmPool};
+use crate::engine::{Engine, LocalSandbox, WarmPool};
 use crate::error::{Error, Result};
 use metrics::AgentMetrics;
 use registry::Registry;
@@ -67,7 +67,7 @@ pub struct AgentConfig {
     pub max_restores: usize,
 }
 
-type Handle = Arc<AsyncMutex<Option<Sandbox>>>;
+type Handle = Arc<AsyncMutex<Option<LocalSandbox>>>;
 
 /// The running agent.
 pub struct Agent {
@@ -183,7 +183,7 @@ impl Agent {
         self.handles.lock().ok()?.get(uid).cloned()
     }
 
-    fn insert_handle(&self, uid: &str, sb: Sandbox) -> Handle {
+    fn insert_handle(&self, uid: &str, sb: LocalSandbox) -> Handle {
         let h: Handle = Arc::new(AsyncMutex::new(Some(sb)));
         if let Ok(mut m) = self.handles.lock() {
             m.insert(uid.to_string(), h.clone());

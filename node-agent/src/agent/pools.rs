@@ -8,7 +8,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::engine::{Sandbox, WarmPool};
+use crate::engine::{LocalSandbox, WarmPool};
 use crate::error::Result;
 
 /// What the map holds: a pool of pre-restored branches.
@@ -29,7 +29,7 @@ pub trait Pool: Send + Sync + 'static {
 }
 
 impl Pool for WarmPool {
-    type Claimed = Sandbox;
+    type Claimed = LocalSandbox;
     fn size(&self) -> usize {
         WarmPool::size(self)
     }
@@ -41,7 +41,7 @@ impl Pool for WarmPool {
         name: &str,
         index: u32,
         timeout: Duration,
-    ) -> impl Future<Output = Result<Sandbox>> + Send {
+    ) -> impl Future<Output = Result<LocalSandbox>> + Send {
         WarmPool::claim_as(self, name, index, timeout)
     }
     fn close(&self) -> impl Future<Output = Result<()>> + Send {

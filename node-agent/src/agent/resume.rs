@@ -20,7 +20,7 @@ use tracing::{info, instrument, warn};
 use super::Agent;
 use super::metrics::RecordLabels;
 use super::registry::CorruptRecord;
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 
 impl Agent {
@@ -38,7 +38,7 @@ impl Agent {
             let why = "its record does not parse, so it cannot be re-adopted";
             self.engine.destroy_or_report(bad.handle, why).await;
         }
-        let mut local: BTreeMap<String, Sandbox> = recovered
+        let mut local: BTreeMap<String, LocalSandbox> = recovered
             .sandboxes
             .into_iter()
             .map(|s| (s.id.clone(), s))

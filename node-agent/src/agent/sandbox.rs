@@ -15,7 +15,7 @@ use serde_json::json;
 use tracing::{info, instrument};
 
 use super::{Agent, Handle, now, writes};
-use crate::engine::Sandbox;
+use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 
 const SANDBOX_MANAGER: &str = "ramify-node-agent/sandbox";
@@ -27,7 +27,7 @@ impl Agent {
         &self,
         obj: &SandboxObj,
         phase: SandboxPhase,
-        sb: Option<&Sandbox>,
+        sb: Option<&LocalSandbox>,
         ready: (bool, &str, String),
         extra: serde_json::Value,
     ) -> Result<()> {

@@ -17,7 +17,7 @@ use tracing::warn;
 
 use super::registry::SandboxRecord;
 use super::{Agent, error_category, millis, now, rootfs_class, short_version};
-use crate::engine::{Sandbox, StartRequest};
+use crate::engine::{LocalSandbox, StartRequest};
 use crate::error::{Error, Result};
 use crate::placement::Cidr;
 use crate::rootfs::RootfsSource;
@@ -191,7 +191,7 @@ impl Agent {
         }
     }
 
-    async fn start_fresh(&self, obj: &SandboxObj, rootfs: RootfsSource) -> Result<Sandbox> {
+    async fn start_fresh(&self, obj: &SandboxObj, rootfs: RootfsSource) -> Result<LocalSandbox> {
         self.engine
             .start(StartRequest {
                 name: obj.name_any(),
@@ -208,7 +208,7 @@ impl Agent {
         &self,
         obj: &SandboxObj,
         rf: &ramify_crds::RestoreFrom,
-    ) -> Result<(Sandbox, serde_json::Value, Option<u64>)> {
+    ) -> Result<(LocalSandbox, serde_json::Value, Option<u64>)> {
         let ns = obj.namespace().unwrap_or_default();
         let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
         // The watch cache first (a Ready snapshot of this node is there); the API

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ramify_node_agent::cmd::Cmd;
-use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, Sandbox, StartRequest};
+use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, LocalSandbox, StartRequest};
 use ramify_node_agent::placement::{Placement, PlacementRequest, Standalone, StandaloneConfig};
 use ramify_node_agent::procfs::pids_mentioning;
 use ramify_node_agent::rootfs::{RootfsSource, busybox_rootfs};
@@ -83,7 +83,7 @@ fn workload(dirty_mib: u64) -> WorkloadSpec {
     }
 }
 
-async fn start(engine: &Engine, rootfs: &Path, name: &str, dirty: u64) -> Result<Sandbox> {
+async fn start(engine: &Engine, rootfs: &Path, name: &str, dirty: u64) -> Result<LocalSandbox> {
     let sb = engine
         .start(StartRequest {
             name: name.into(),
@@ -106,7 +106,7 @@ async fn start(engine: &Engine, rootfs: &Path, name: &str, dirty: u64) -> Result
 /// lines the engine would build, without any of the engine's work around them.
 async fn plain_checkpoint_restore(
     engine: &Engine,
-    sb: &Sandbox,
+    sb: &LocalSandbox,
     image: &Path,
 ) -> Result<(Duration, Duration)> {
     std::fs::create_dir_all(image)?;
@@ -259,7 +259,7 @@ async fn run(
     dir: &Path,
     args: &Args,
 ) -> Result<()> {
-    let mut live: Vec<Sandbox> = Vec::new();
+    let mut live: Vec<LocalSandbox> = Vec::new();
     let r = run_inner(engine, placement, rootfs, dir, args, &mut live).await;
     for sb in live {
         let _ = engine.destroy(sb).await;
@@ -365,7 +365,7 @@ async fn run_inner(
     rootfs: &Path,
     dir: &Path,
     args: &Args,
-    live: &mut Vec<Sandbox>,
+    live: &mut Vec<LocalSandbox>,
 ) -> Result<()> {
     println!(
         "runsc: {}  caps: {:?}",
@@ -499,7 +499,7 @@ async fn claim_loop(
     claims: usize,
     quiet: bool,
     lat: &mut Vec<Duration>,
-    to_destroy: &mut Vec<Sandbox>,
+    to_destroy: &mut Vec<LocalSandbox>,
 ) -> Result<()> {
     for i in 0..claims {
         pool.wait_ready(if quiet { 4 } else { 1 }, Duration::from_secs(300))

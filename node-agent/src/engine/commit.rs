@@ -6,7 +6,7 @@ use std::path::Path;
 
 use tracing::{info, instrument};
 
-use super::{Engine, Sandbox};
+use super::{Engine, LocalSandbox};
 use crate::cmd::Output;
 use crate::control;
 use crate::diff::{self, Diff, Manifest};
@@ -50,7 +50,7 @@ impl Engine {
     /// Regular files under the roots of `globs`, as seen inside the sandbox.
     pub async fn manifest(
         &self,
-        sb: &Sandbox,
+        sb: &LocalSandbox,
         globs: &[String],
     ) -> Result<(Manifest, Vec<String>)> {
         let roots = diff::glob_roots(globs)?;
@@ -66,8 +66,8 @@ impl Engine {
     #[instrument(skip(self, parent, winner), fields(parent = %parent.id, winner = %winner.id))]
     pub async fn commit_paths(
         &self,
-        parent: &Sandbox,
-        winner: &Sandbox,
+        parent: &LocalSandbox,
+        winner: &LocalSandbox,
         globs: &[String],
     ) -> Result<CommitReport> {
         let plan = self.plan_paths_commit(winner, globs).await?;
@@ -79,7 +79,7 @@ impl Engine {
     /// paths against the parent's commits since the fork point) before applying it.
     pub async fn plan_paths_commit(
         &self,
-        winner: &Sandbox,
+        winner: &LocalSandbox,
         globs: &[String],
     ) -> Result<PathsCommit> {
         let baseline = winner.baseline.as_ref().ok_or_else(|| {
@@ -131,8 +131,8 @@ impl Engine {
     /// Applies a planned Paths commit into the parent, all or nothing.
     pub async fn apply_paths_commit(
         &self,
-        parent: &Sandbox,
-        winner: &Sandbox,
+        parent: &LocalSandbox,
+        winner: &LocalSandbox,
         plan: PathsCommit,
     ) -> Result<CommitReport> {
         let PathsCommit {
@@ -270,7 +270,7 @@ impl Engine {
     /// that says `what` and carries the step's stderr.
     async fn exec_or_fail(
         &self,
-        sb: &Sandbox,
+        sb: &LocalSandbox,
         argv: &[String],
         stdin: Option<&Path>,
         what: &str,
@@ -293,7 +293,11 @@ impl Engine {
     /// points at the winner's runsc container (keeping the parent's name and index with
     /// a fresh identity); the old parent sandbox is torn down.
     #[instrument(skip(self, parent, winner), fields(parent = %parent.id, winner = %winner.id))]
-    pub async fn commit_full(&self, parent: &mut Sandbox, mut winner: Sandbox) -> Result<()> {
+    pub async fn commit_full(
+        &self,
+        parent: &mut LocalSandbox,
+        mut winner: LocalSandbox,
+    ) -> Result<()> {
         self.adopt_as_parent(parent, &mut winner)?;
         let old = std::mem::replace(parent, winner);
         self.destroy(old).await
@@ -303,7 +307,7 @@ impl Engine {
     /// parent's name and index with a fresh identity, and its control outputs
     /// (verdict, effects) are cleared. Repeatable; the caller records the swap, then
     /// destroys the old parent (the agent does so in that order, to survive a crash).
-    pub fn adopt_as_parent(&self, parent: &Sandbox, winner: &mut Sandbox) -> Result<()> {
+    pub fn adopt_as_parent(&self, parent: &LocalSandbox, winner: &mut LocalSandbox) -> Result<()> {
         winner.name = parent.name.clone();
         winner.identity = self.next_identity(
             &parent.name,
@@ -319,7 +323,7 @@ impl Engine {
 
     /// Files changed under `globs` since the branch was restored (needs a baseline:
     /// the branch must have been forked with those globs tracked).
-    pub async fn diff_since_restore(&self, sb: &Sandbox, globs: &[String]) -> Result<Diff> {
+    pub async fn diff_since_restore(&self, sb: &LocalSandbox, globs: &[String]) -> Result<Diff> {
         let baseline = sb.baseline.as_ref().ok_or_else(|| {
             Error::Invalid(format!(
                 "sandbox {} has no baseline: it was not forked with tracked paths",

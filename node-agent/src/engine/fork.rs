@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use tracing::{instrument, warn};
 
-use super::{Engine, Sandbox};
+use super::{Engine, LocalSandbox};
 use crate::control;
 use crate::diff;
 use crate::error::{Error, Result};
@@ -30,7 +30,7 @@ impl Engine {
         name: &str,
         index: u32,
         track: &[String],
-    ) -> Result<Sandbox> {
+    ) -> Result<LocalSandbox> {
         let egress: Vec<Cidr> = meta
             .egress_allow
             .iter()
@@ -94,7 +94,12 @@ impl Engine {
     /// Fork `n` branches from a snapshot, restoring in parallel. All or nothing:
     /// if one branch fails, the others are destroyed and the error returned.
     #[instrument(skip(self, opts))]
-    pub async fn fork(&self, snapshot: &str, n: u32, opts: &ForkOptions) -> Result<Vec<Sandbox>> {
+    pub async fn fork(
+        &self,
+        snapshot: &str,
+        n: u32,
+        opts: &ForkOptions,
+    ) -> Result<Vec<LocalSandbox>> {
         let (meta, img) = self.verified_image(snapshot).await?;
         diff::glob_roots(&opts.track)?;
         let futs = (0..n).map(|i| {
@@ -139,7 +144,7 @@ impl Engine {
         name: &str,
         index: u32,
         track: &[String],
-    ) -> Result<Sandbox> {
+    ) -> Result<LocalSandbox> {
         let (meta, img) = self.verified_image(snapshot).await?;
         diff::glob_roots(track)?;
         self.restore_branch(&meta, &img, name, index, track).await

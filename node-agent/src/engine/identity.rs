@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{Engine, Sandbox};
+use super::{Engine, LocalSandbox};
 use crate::control::Identity;
 use crate::error::{Error, Result};
 
@@ -31,7 +31,7 @@ impl Engine {
     /// otherwise carry the source's hostname. Setting it needs CAP_SYS_ADMIN, which the
     /// workload does not have: one `runsc exec --cap CAP_SYS_ADMIN <id> hostname <h>`,
     /// using the `hostname` program of the sandbox's rootfs.
-    pub(super) async fn set_hostname(&self, sb: &Sandbox, host: &str) -> Result<()> {
+    pub(super) async fn set_hostname(&self, sb: &LocalSandbox, host: &str) -> Result<()> {
         let mut argv = self.inner.runsc.global_args(&sb.ctx);
         argv.extend(["exec".into(), "--cap".into(), "CAP_SYS_ADMIN".into()]);
         let mut env = sb.workload.env.clone();

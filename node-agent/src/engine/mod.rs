@@ -3,7 +3,7 @@
 //! One file per stage a sandbox goes through; each public type lives with the
 //! operation that makes or takes it, and is re-exported here:
 //! - this file: the [`Engine`] handle, its [`EngineConfig`] and construction, exec.
-//! - `sandbox`: the engine's [`Sandbox`] handle, preparing and starting one, whether it runs.
+//! - `sandbox`: the engine's [`LocalSandbox`] handle, preparing and starting one, whether it runs.
 //! - `identity`: a sandbox's identity (name, index, seed) and a branch's own hostname.
 //! - `control_mount`: the size- and inode-limited tmpfs of a sandbox's control directory.
 //! - `snapshot`: checkpoint a sandbox and seal the image in the store.
@@ -28,7 +28,7 @@ pub use control_mount::{CONTROL_QUOTA_BYTES, CONTROL_QUOTA_INODES};
 pub use fork::ForkOptions;
 pub use identity::branch_hostname;
 pub use recovery::{Recovered, Unreadable};
-pub use sandbox::{Sandbox, StartRequest};
+pub use sandbox::{LocalSandbox, StartRequest};
 pub use snapshot::SnapshotInfo;
 pub use warm_pool::WarmPool;
 
@@ -196,7 +196,7 @@ impl Engine {
     }
 
     /// Run a command in the sandbox and collect stdout, stderr and exit code.
-    pub async fn exec(&self, sb: &Sandbox, argv: &[&str]) -> Result<Output> {
+    pub async fn exec(&self, sb: &LocalSandbox, argv: &[&str]) -> Result<Output> {
         let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
         self.inner
             .runsc
@@ -212,7 +212,7 @@ impl Engine {
     }
 
     /// Like exec, but a non-zero exit is an error carrying stderr.
-    pub async fn exec_ok(&self, sb: &Sandbox, argv: &[&str]) -> Result<Output> {
+    pub async fn exec_ok(&self, sb: &LocalSandbox, argv: &[&str]) -> Result<Output> {
         let out = self.exec(sb, argv).await?;
         if out.code != 0 {
             return Err(Error::Sandbox {
@@ -224,19 +224,19 @@ impl Engine {
     }
 
     /// Read the control directory (verdict, effects) from the host side.
-    pub fn control(&self, sb: &Sandbox) -> ControlScan {
+    pub fn control(&self, sb: &LocalSandbox) -> ControlScan {
         control::scan(&sb.control_dir())
     }
 
     /// Memory charged to the sandbox's cgroup.
-    pub fn memory_bytes(&self, sb: &Sandbox) -> Result<u64> {
+    pub fn memory_bytes(&self, sb: &LocalSandbox) -> Result<u64> {
         cgroup::memory_usage(&sb.placed.cgroups_path)
     }
 
     /// Run a command with extra environment (on top of the workload's) and a timeout.
     pub async fn exec_with(
         &self,
-        sb: &Sandbox,
+        sb: &LocalSandbox,
         argv: &[String],
         env: &[(String, String)],
         timeout: Duration,
@@ -249,7 +249,7 @@ impl Engine {
     /// much it prints, it costs the agent that much memory and never fails for it.
     pub async fn run_command(
         &self,
-        sb: &Sandbox,
+        sb: &LocalSandbox,
         argv: &[String],
         env: &[(String, String)],
         timeout: Duration,
@@ -260,7 +260,7 @@ impl Engine {
 
     async fn exec_env(
         &self,
-        sb: &Sandbox,
+        sb: &LocalSandbox,
         argv: &[String],
         env: &[(String, String)],
         timeout: Duration,
@@ -276,12 +276,12 @@ impl Engine {
 
     /// A `runsc exec` of `argv` in the sandbox with its workload's environment, not
     /// started: the node endpoint streams its output as it comes.
-    pub fn exec_command(&self, sb: &Sandbox, argv: &[String]) -> Result<crate::cmd::Cmd> {
+    pub fn exec_command(&self, sb: &LocalSandbox, argv: &[String]) -> Result<crate::cmd::Cmd> {
         self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)
     }
 
     /// The runsc console log of a sandbox (its first process's stdout and stderr).
-    pub fn log_path(&self, sb: &Sandbox) -> PathBuf {
+    pub fn log_path(&self, sb: &LocalSandbox) -> PathBuf {
         sb.dir.join("console.log")
     }
 }

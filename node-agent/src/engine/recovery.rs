@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use tracing::warn;
 
-use super::{Engine, Sandbox};
+use super::{Engine, LocalSandbox};
 use crate::control::Identity;
 use crate::error::{Error, Result};
 use crate::placement::Placed;
@@ -16,7 +16,7 @@ use crate::spec::WorkloadSpec;
 #[derive(Debug, Default)]
 pub struct Recovered {
     /// Sandboxes whose record reads (and half-made ones, with a placeholder handle).
-    pub sandboxes: Vec<Sandbox>,
+    pub sandboxes: Vec<LocalSandbox>,
     /// Sandbox directories whose record cannot be read.
     pub unreadable: Vec<Unreadable>,
 }
@@ -27,13 +27,13 @@ pub struct Unreadable {
     pub path: PathBuf,
     pub error: String,
     /// Good enough for [`Engine::destroy`], nothing else.
-    pub handle: Sandbox,
+    pub handle: LocalSandbox,
 }
 
 impl Engine {
     /// Records a sandbox in its directory (`sandbox.json`, written atomically) so a
     /// restarted agent can re-adopt it.
-    pub fn persist(&self, sb: &Sandbox) -> Result<()> {
+    pub fn persist(&self, sb: &LocalSandbox) -> Result<()> {
         crate::private::write_atomic(
             &sb.dir.join("sandbox.json"),
             &serde_json::to_vec_pretty(sb)?,
@@ -56,7 +56,7 @@ impl Engine {
             let entry = entry.map_err(|e| Error::io("read", &dir, e))?;
             let path = entry.path().join("sandbox.json");
             match std::fs::read(&path) {
-                Ok(bytes) => match serde_json::from_slice::<Sandbox>(&bytes) {
+                Ok(bytes) => match serde_json::from_slice::<LocalSandbox>(&bytes) {
                     Ok(sb) => out.sandboxes.push(sb),
                     Err(e) => {
                         warn!(path = %path.display(), error = %e, "unreadable sandbox record");
@@ -82,14 +82,14 @@ impl Engine {
     }
 
     /// A handle for a half-made sandbox directory, good enough for [`Engine::destroy`].
-    fn placeholder(&self, dir: &Path) -> Sandbox {
+    fn placeholder(&self, dir: &Path) -> LocalSandbox {
         let id = dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let (_, cgroups_path) = self.paths_of(&id);
         let netns = Path::new("/run/netns").join(&id);
-        Sandbox {
+        LocalSandbox {
             name: id.clone(),
             id: id.clone(),
             dir: dir.to_path_buf(),

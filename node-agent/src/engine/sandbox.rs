@@ -1,4 +1,4 @@
-//! The engine's [`Sandbox`] handle: preparing a sandbox's directory, mounts, placement
+//! The engine's [`LocalSandbox`] handle: preparing a sandbox's directory, mounts, placement
 //! and bundle, starting it fresh, and whether it still runs.
 
 use std::path::PathBuf;
@@ -31,7 +31,7 @@ pub struct StartRequest {
 /// [`Engine::destroy`] (abort) or hand it to a commit. [`Engine::persist`] records it
 /// on disk so a restarted agent can [`Engine::recover`] it.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub struct Sandbox {
+pub struct LocalSandbox {
     pub name: String,
     pub id: String,
     pub dir: PathBuf,
@@ -47,7 +47,7 @@ pub struct Sandbox {
     pub(super) ctx: SandboxCtx,
 }
 
-impl Sandbox {
+impl LocalSandbox {
     pub fn control_dir(&self) -> PathBuf {
         self.dir.join("control")
     }
@@ -78,7 +78,7 @@ impl Engine {
         workload: WorkloadSpec,
         egress_allow: Vec<Cidr>,
         snapshot: Option<&str>,
-    ) -> Result<Sandbox> {
+    ) -> Result<LocalSandbox> {
         let id = self.new_id();
         let dir = self.inner.cfg.state_dir.join("sandboxes").join(&id);
         crate::private::dir_all(&dir.join("runsc-root"))?;
@@ -131,7 +131,7 @@ impl Engine {
         } else {
             workload.hostname.clone()
         };
-        let sb = Sandbox {
+        let sb = LocalSandbox {
             name: name.into(),
             identity: self.next_identity(name, index, snapshot, Some(hostname)),
             id,
@@ -168,7 +168,7 @@ impl Engine {
 
     /// Start a fresh sandbox.
     #[instrument(skip(self, req), fields(name = %req.name))]
-    pub async fn start(&self, req: StartRequest) -> Result<Sandbox> {
+    pub async fn start(&self, req: StartRequest) -> Result<LocalSandbox> {
         req.workload.validate()?;
         let rootfs = req.rootfs.resolve(&self.inner.rootfs).await?;
         let sb = self
@@ -197,7 +197,7 @@ impl Engine {
     /// the process runsc last reported is alive, with the same start time, the answer
     /// stands without asking again: `runsc state` is a process start and tens of
     /// milliseconds of CPU, and every status change of a sandbox reconciles it.
-    pub async fn is_running(&self, sb: &Sandbox) -> Result<bool> {
+    pub async fn is_running(&self, sb: &LocalSandbox) -> Result<bool> {
         let known = self
             .inner
             .sandbox_procs

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, instrument, warn};
 
-use super::{Engine, Sandbox};
+use super::{Engine, LocalSandbox};
 use crate::error::{Error, Result};
 use crate::procfs::pids_mentioning;
 use crate::runsc::{Runsc, SandboxCtx};
@@ -26,7 +26,11 @@ impl Engine {
     /// source keeps running; otherwise it is checkpointed (which stops it) and restored
     /// in place from the same image, in its own netns, root and cgroup.
     #[instrument(skip(self, sb), fields(id = %sb.id))]
-    pub async fn snapshot(&self, sb: &mut Sandbox, ttl: Option<Duration>) -> Result<SnapshotInfo> {
+    pub async fn snapshot(
+        &self,
+        sb: &mut LocalSandbox,
+        ttl: Option<Duration>,
+    ) -> Result<SnapshotInfo> {
         let snap_id = format!("snap-{}", uuid::Uuid::new_v4().simple());
         let leave_running = self.inner.runsc.caps().leave_running;
         if !leave_running {

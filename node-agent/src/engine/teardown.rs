@@ -6,7 +6,7 @@ use std::path::Path;
 use tracing::{instrument, warn};
 
 use super::control_mount::unmount_control_dir;
-use super::{Engine, Sandbox};
+use super::{Engine, LocalSandbox};
 use crate::cgroup;
 use crate::error::{Error, Result};
 use crate::procfs::pids_mentioning;
@@ -16,13 +16,13 @@ impl Engine {
     /// netns, iptables, cgroups, files). Keeps going after a failed step and returns
     /// the first error.
     #[instrument(skip(self, sb), fields(id = %sb.id))]
-    pub async fn destroy(&self, sb: Sandbox) -> Result<()> {
+    pub async fn destroy(&self, sb: LocalSandbox) -> Result<()> {
         self.teardown(&sb).await
     }
 
     /// What [`Engine::destroy`] does, on a sandbox still held: every step tolerates
     /// what an earlier attempt already removed, so it can be run again after a failure.
-    pub(crate) async fn teardown(&self, sb: &Sandbox) -> Result<()> {
+    pub(crate) async fn teardown(&self, sb: &LocalSandbox) -> Result<()> {
         self.forget_proc(&sb.id);
         let mut first: Option<Error> = None;
         // A frozen task cannot die: thaw first (no-op if not frozen or not created).

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tracing::warn;
 
-use super::{Engine, Sandbox};
+use super::{Engine, LocalSandbox};
 use crate::cgroup;
 use crate::control;
 use crate::error::{Error, Result};
@@ -65,7 +65,7 @@ struct PoolShared {
 
 #[derive(Default)]
 struct PoolState {
-    ready: VecDeque<Sandbox>,
+    ready: VecDeque<LocalSandbox>,
     closed: bool,
     last_error: Option<String>,
     /// Refill failures in a row; reset by a success. Claimers give up at 3.
@@ -238,13 +238,18 @@ impl WarmPool {
 
     /// Hand out a ready branch: fresh identity written, then thawed. Waits for a
     /// branch when the pool is empty.
-    pub async fn claim(&self, name: &str, timeout: Duration) -> Result<Sandbox> {
+    pub async fn claim(&self, name: &str, timeout: Duration) -> Result<LocalSandbox> {
         self.claim_inner(name, None, timeout).await
     }
 
     /// Like [`WarmPool::claim`], with the branch's position among its siblings (written
     /// into its identity).
-    pub async fn claim_as(&self, name: &str, index: u32, timeout: Duration) -> Result<Sandbox> {
+    pub async fn claim_as(
+        &self,
+        name: &str,
+        index: u32,
+        timeout: Duration,
+    ) -> Result<LocalSandbox> {
         self.claim_inner(name, Some(index), timeout).await
     }
 
@@ -253,7 +258,7 @@ impl WarmPool {
         name: &str,
         index: Option<u32>,
         timeout: Duration,
-    ) -> Result<Sandbox> {
+    ) -> Result<LocalSandbox> {
         let deadline = Instant::now() + timeout;
         loop {
             let notified = self.shared.ready.notified();
@@ -304,7 +309,7 @@ impl WarmPool {
 
     /// Stop refilling and destroy every frozen branch.
     pub async fn close(&self) -> Result<()> {
-        let drained: Vec<Sandbox> = match self.shared.state.lock() {
+        let drained: Vec<LocalSandbox> = match self.shared.state.lock() {
             Ok(mut s) => {
                 s.closed = true;
                 s.ready.drain(..).collect()
@@ -325,7 +330,7 @@ impl WarmPool {
                 first.get_or_insert(e);
             }
         }
-        let more: Vec<Sandbox> = match self.shared.state.lock() {
+        let more: Vec<LocalSandbox> = match self.shared.state.lock() {
             Ok(mut s) => s.ready.drain(..).collect(),
             Err(_) => Vec::new(),
         };
@@ -350,7 +355,7 @@ impl Drop for WarmPool {
         if task.is_none() {
             return;
         }
-        let drained: Vec<Sandbox> = match self.shared.state.lock() {
+        let drained: Vec<LocalSandbox> = match self.shared.state.lock() {
             Ok(mut s) => {
                 s.closed = true;
                 s.ready.drain(..).collect()

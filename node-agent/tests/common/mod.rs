@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ramify_node_agent::engine::{Engine, EngineConfig, Sandbox, StartRequest};
+use ramify_node_agent::engine::{Engine, EngineConfig, LocalSandbox, StartRequest};
 use ramify_node_agent::placement::{Cidr, Standalone, StandaloneConfig};
 use ramify_node_agent::rootfs::RootfsSource;
 use ramify_node_agent::roots::RootfsConfig;
@@ -238,7 +238,7 @@ impl Harness {
         }
     }
 
-    pub async fn start(&self, name: &str, script: &str, egress: Vec<Cidr>) -> Sandbox {
+    pub async fn start(&self, name: &str, script: &str, egress: Vec<Cidr>) -> LocalSandbox {
         self.start_from(name, &self.rootfs.clone(), script, egress)
             .await
     }
@@ -250,7 +250,7 @@ impl Harness {
         rootfs: &Path,
         script: &str,
         egress: Vec<Cidr>,
-    ) -> Sandbox {
+    ) -> LocalSandbox {
         self.engine
             .start(StartRequest {
                 name: name.into(),
@@ -276,7 +276,7 @@ impl Harness {
         rootfs
     }
 
-    pub async fn sh(&self, sb: &Sandbox, script: &str) -> String {
+    pub async fn sh(&self, sb: &LocalSandbox, script: &str) -> String {
         let out = self
             .engine
             .exec(sb, &["/bin/sh", "-c", script])
@@ -292,14 +292,14 @@ impl Harness {
         out.stdout_str()
     }
 
-    pub async fn counter(&self, sb: &Sandbox) -> u64 {
+    pub async fn counter(&self, sb: &LocalSandbox) -> u64 {
         // The workload rewrites the file with `>`: a read can land between the truncate and
         // the write, so read until it is not empty.
         self.sh(sb, READ_COUNTER).await.trim().parse().unwrap()
     }
 
     /// Destroy and assert nothing is left on the host.
-    pub async fn destroy_clean(&self, sb: Sandbox) {
+    pub async fn destroy_clean(&self, sb: LocalSandbox) {
         let (id, dir, cg) = (sb.id.clone(), sb.dir.clone(), sb.cgroups_path().to_string());
         self.engine
             .destroy(sb)
@@ -340,7 +340,7 @@ where
 
 impl Harness {
     /// Waits until the COUNTER workload of `sb` has gone past `floor`; returns the value.
-    pub async fn counter_past(&self, sb: &Sandbox, floor: u64) -> u64 {
+    pub async fn counter_past(&self, sb: &LocalSandbox, floor: u64) -> u64 {
         eventually(
             Duration::from_secs(30),
             &format!("the counter of {} to pass {floor}", sb.name),
@@ -353,7 +353,7 @@ impl Harness {
     }
 
     /// Waits until the file `path` in `sb` exists and is not empty.
-    pub async fn written(&self, sb: &Sandbox, path: &str) {
+    pub async fn written(&self, sb: &LocalSandbox, path: &str) {
         let script = format!("[ -s {path} ] && echo yes || echo no");
         eventually(
             Duration::from_secs(30),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, Sandbox, StartRequest};
+use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, LocalSandbox, StartRequest};
 use ramify_node_agent::placement::Standalone;
 use ramify_node_agent::platform;
 use ramify_node_agent::rootfs::RootfsSource;
@@ -37,8 +37,8 @@ const WORKLOADS: &[(&str, &str)] = &[
 struct OnPlatform {
     platform: Platform,
     engine: Engine,
-    live: Vec<Sandbox>,
-    branch: Option<Sandbox>,
+    live: Vec<LocalSandbox>,
+    branch: Option<LocalSandbox>,
     pause: Duration,
     fork: Duration,
     /// Per workload, every run.
