@@ -12,6 +12,10 @@ use kube::api::{Api, ListParams};
 use ramify_crds::SandboxPhase;
 use ramify_e2e::system::System;
 
+/// Tests run one at a time (an async lock: each test has its own runtime): a system's
+/// leftover check counts every new rule on the shared e2e bridge as its own.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn other(sys: &System) -> String {
     format!(
         r#"apiVersion: ramify.dev/v1alpha1
@@ -30,6 +34,7 @@ spec:
 
 #[tokio::test]
 async fn a_corrupt_registry_record_is_skipped_and_reported_and_the_resume_goes_on() {
+    let _serial = SERIAL.lock().await;
     let mut sys = System::start("corrupt").await;
     sys.running_workspace().await;
     sys.apply(&other(&sys));
@@ -143,6 +148,7 @@ async fn a_corrupt_registry_record_is_skipped_and_reported_and_the_resume_goes_o
 /// found no handle, released the finalizer, and the IP lease and rules stayed for good.
 #[tokio::test]
 async fn a_deletion_whose_teardown_fails_once_leaves_nothing_behind() {
+    let _serial = SERIAL.lock().await;
     let sys = System::start_with(
         "teardown-retry",
         &[],
