@@ -4,8 +4,7 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ramify_crds::{
-    BranchPhase, BranchSet, BranchSetPhase, CommitRefusal, CommitStatus, REASON_COMMIT_CONFLICT,
-    Sandbox,
+    BranchPhase, BranchSet, BranchSetPhase, CommitRefusal, REASON_COMMIT_CONFLICT, Sandbox,
 };
 
 use super::{Ctx, Note, Plan, READY, finish_cleanup, set};
@@ -23,13 +22,7 @@ pub(super) fn observe_commit(cx: &Ctx<'_>, p: &mut Plan, parent: &Sandbox, winne
     match applied {
         Some(c) => {
             p.status.phase = BranchSetPhase::Committed;
-            p.status.commit = Some(CommitStatus {
-                mode: c.mode,
-                files: c.files.clone(),
-                file_count: c.file_count,
-                bytes: c.bytes,
-                at: c.at.clone(),
-            });
+            p.status.commit = Some(c.commit.clone());
             if let Some(b) = p.status.branches.iter_mut().find(|b| b.name == winner) {
                 b.phase = BranchPhase::Won;
             }
@@ -51,7 +44,7 @@ pub(super) fn observe_commit(cx: &Ctx<'_>, p: &mut Plan, parent: &Sandbox, winne
                 reason: "Committed",
                 message: format!(
                     "branch {winner} committed ({:?}, {} files)",
-                    c.mode, c.file_count
+                    c.commit.mode, c.commit.file_count
                 ),
             });
             finish_cleanup(cx, p);

@@ -6,9 +6,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ramify_crds::{
     ANNOTATION_ABORT, AppliedCommit, BranchOutcome, BranchPhase, BranchSet, BranchSetPhase,
-    CommitMode, CommitRefusal, ConditionsExt, EffectState, LABEL_BRANCH, LABEL_BRANCHSET,
-    REASON_COMMIT_CONFLICT, Sandbox, SandboxPhase, SandboxSpec, SandboxStatus, Snapshot,
-    SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec, SnapshotStatus, VerdictValue,
+    CommitMode, CommitRefusal, CommitStatus, ConditionsExt, EffectState, LABEL_BRANCH,
+    LABEL_BRANCHSET, REASON_COMMIT_CONFLICT, Sandbox, SandboxPhase, SandboxSpec, SandboxStatus,
+    Snapshot, SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec, SnapshotStatus,
+    VerdictValue,
 };
 
 use super::*;
@@ -235,11 +236,13 @@ fn the_commit_is_done_when_the_parent_records_it() {
         branch_set: "bs".into(),
         branch_set_uid: "uid-1".into(),
         winner: "a".into(),
-        mode: CommitMode::Full,
-        files: vec![],
-        file_count: 3,
-        bytes: 10,
-        at: Some(Time(t(7))),
+        commit: CommitStatus {
+            mode: CommitMode::Full,
+            files: vec![],
+            file_count: 3,
+            bytes: 10,
+            at: Some(Time(t(7))),
+        },
     });
     let p = run(&bs, Some(&ready_snapshot()), Some(&parent), &branches, 8);
     assert_eq!(p.status.phase, BranchSetPhase::Committed);
