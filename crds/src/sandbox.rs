@@ -4,7 +4,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::branchset::{CommitMode, DiffSummary, FileChange, VerdictValue};
+use crate::branchset::{CommitStatus, DiffSummary, VerdictValue};
 use crate::common::{Condition, EnvVar};
 
 /// A live gVisor (runsc) workspace. A Sandbox either starts fresh from a root filesystem
@@ -334,20 +334,9 @@ pub struct AppliedCommit {
     pub branch_set_uid: String,
     /// The winning branch.
     pub winner: String,
-    /// Full or Paths.
-    pub mode: CommitMode,
-    /// Files promoted (mode `Paths`), at most 256 listed.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub files: Vec<FileChange>,
-    /// Number of files promoted.
-    #[serde(default)]
-    pub file_count: i64,
-    /// Bytes promoted.
-    #[serde(default)]
-    pub bytes: i64,
-    /// When it was applied.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub at: Option<Time>,
+    /// What it promoted, as the BranchSet reports it (`status.commit`).
+    #[serde(flatten)]
+    pub commit: CommitStatus,
 }
 
 /// A commit the node agent refused: the parent changed since the winner's fork point.
@@ -371,4 +360,29 @@ pub struct CommitRefusal {
     /// When it was refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at: Option<Time>,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::branchset::{ChangeKind, CommitMode};
+
+    /// `lastCommit` stays one flat object on the wire (as the node agent writes it),
+    /// though `AppliedCommit` embeds the BranchSet's `CommitStatus`.
+    #[test]
+    fn an_applied_commit_is_flat_on_the_wire() {
+        let wire = serde_json::json!({
+            "branchSet": "bs", "branchSetUid": "uid-1", "winner": "a", "mode": "Paths",
+            "files": [{"path": "/a", "change": "Added", "sizeBytes": 2}],
+            "fileCount": 1, "bytes": 2, "at": "2023-11-14T22:13:20Z",
+        });
+        let c: AppliedCommit = serde_json::from_value(wire.clone()).unwrap();
+        assert_eq!(c.winner, "a");
+        assert_eq!(c.commit.mode, CommitMode::Paths);
+        assert_eq!(c.commit.files[0].change, ChangeKind::Added);
+        assert_eq!((c.commit.file_count, c.commit.bytes), (1, 2));
+        assert!(c.commit.at.is_some());
+        assert_eq!(serde_json::to_value(&c).unwrap(), wire);
+    }
 }

@@ -1,0 +1,451 @@
+//! Scenario tests of the whole state machine (`plan`), one reconcile at a time.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use ramify_crds::{
+    ANNOTATION_ABORT, AppliedCommit, BranchOutcome, BranchPhase, BranchSet, BranchSetPhase,
+    CommitMode, CommitRefusal, CommitStatus, ConditionsExt, EffectState, LABEL_BRANCH,
+    LABEL_BRANCHSET, REASON_COMMIT_CONFLICT, Sandbox, SandboxPhase, SandboxSpec, SandboxStatus,
+    Snapshot, SnapshotMode, SnapshotPhase, SnapshotSource, SnapshotSpec, SnapshotStatus,
+    VerdictValue,
+};
+
+use super::*;
+
+fn t(secs: i64) -> Timestamp {
+    Timestamp::from_second(1_700_000_000 + secs).unwrap()
+}
+
+fn branchset(spec: serde_json::Value) -> BranchSet {
+    let mut bs: BranchSet = serde_json::from_value(serde_json::json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "BranchSet",
+        "metadata": {"name": "bs", "namespace": "ns", "uid": "uid-1", "generation": 1,
+                     "creationTimestamp": "2023-11-14T22:13:20Z"},
+        "spec": spec,
+    }))
+    .unwrap();
+    bs.metadata.creation_timestamp = Some(Time(t(0)));
+    bs
+}
+
+fn three() -> BranchSet {
+    branchset(
+        serde_json::json!({"source": {"sandbox": "parent"}, "branches": [{"name": "a"}, {"name": "b"}, {"name": "c"}], "timeoutSeconds": 100}),
+    )
+}
+
+fn parent() -> Sandbox {
+    let mut s: Sandbox = serde_json::from_value(serde_json::json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+        "metadata": {"name": "parent", "namespace": "ns"},
+        "spec": {"rootfs": {"class": "busybox"}, "command": ["sh"]},
+    }))
+    .unwrap();
+    s.status = Some(SandboxStatus {
+        phase: SandboxPhase::Running,
+        node_name: Some("n1".into()),
+        ..Default::default()
+    });
+    s
+}
+
+fn ready_snapshot() -> Snapshot {
+    let mut s = Snapshot::new(
+        "bs-base",
+        SnapshotSpec {
+            source: SnapshotSource {
+                sandbox: "parent".into(),
+            },
+            mode: SnapshotMode::Live,
+            warm_pool: None,
+            ttl_seconds: None,
+        },
+    );
+    s.status = Some(SnapshotStatus {
+        phase: SnapshotPhase::Ready,
+        node_name: Some("n1".into()),
+        ..Default::default()
+    });
+    s
+}
+
+/// A branch sandbox as the node agent reports it.
+fn branch(name: &str, phase: SandboxPhase, verdict: Option<(VerdictValue, i64)>) -> Sandbox {
+    let mut s = Sandbox::new(
+        &format!("bs-{name}"),
+        SandboxSpec {
+            image: None,
+            rootfs: None,
+            command: vec![],
+            env: vec![],
+            working_dir: None,
+            resources: None,
+            network: Default::default(),
+            restore_from: None,
+            node_name: None,
+            allow_snapshot_with_secrets: false,
+        },
+    );
+    s.metadata.labels = Some(
+        [
+            (LABEL_BRANCH.to_string(), name.to_string()),
+            (LABEL_BRANCHSET.to_string(), "bs".to_string()),
+        ]
+        .into(),
+    );
+    s.status = Some(SandboxStatus {
+        phase,
+        branch: verdict.map(|(v, at)| BranchOutcome {
+            verdict: Some(v),
+            exit_code: Some(if v == VerdictValue::Commit { 0 } else { 1 }),
+            finished_at: Some(Time(t(at))),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    s
+}
+
+fn run(
+    bs: &BranchSet,
+    snap: Option<&Snapshot>,
+    parent: Option<&Sandbox>,
+    branches: &[Sandbox],
+    now: i64,
+) -> Plan {
+    plan(&Observed {
+        bs,
+        snapshot: snap,
+        parent,
+        branches,
+        now: t(now),
+    })
+}
+
+/// Feeds a plan's status back, as the API server would after the write.
+fn advance(bs: &mut BranchSet, p: &Plan) {
+    bs.status = Some(p.status.clone());
+}
+
+#[test]
+fn a_sandbox_source_is_snapshotted_first() {
+    let bs = three();
+    let p = run(&bs, None, Some(&parent()), &[], 1);
+    assert_eq!(p.status.phase, BranchSetPhase::Snapshotting);
+    let snap = p.create_snapshot.expect("snapshot to create");
+    assert_eq!(snap.metadata.name.as_deref(), Some("bs-base"));
+    assert_eq!(snap.spec.source.sandbox, "parent");
+    assert_eq!(snap.metadata.owner_references.unwrap()[0].uid, "uid-1");
+    assert!(p.create_branches.is_empty());
+}
+
+#[test]
+fn branches_fork_on_the_snapshot_node_once_it_is_ready() {
+    let bs = three();
+    let mut snap = ready_snapshot();
+    snap.status.as_mut().unwrap().phase = SnapshotPhase::Capturing;
+    let p = run(&bs, Some(&snap), Some(&parent()), &[], 1);
+    assert_eq!(p.status.phase, BranchSetPhase::Snapshotting);
+    assert!(p.create_branches.is_empty());
+
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &[], 2);
+    assert_eq!(p.status.phase, BranchSetPhase::Forking);
+    let names: Vec<_> = p
+        .create_branches
+        .iter()
+        .map(|s| s.metadata.name.clone().unwrap())
+        .collect();
+    assert_eq!(names, ["bs-a", "bs-b", "bs-c"]);
+    let b = &p.create_branches[1];
+    let rf = b.spec.restore_from.as_ref().unwrap();
+    assert_eq!(rf.snapshot, "bs-base");
+    assert_eq!(rf.branch.as_ref().unwrap().index, 1);
+    assert_eq!(b.spec.node_name.as_deref(), Some("n1"));
+    assert_eq!(
+        b.spec.rootfs.as_ref().unwrap().class.as_deref(),
+        Some("busybox")
+    );
+    assert!(
+        b.spec.command.is_empty(),
+        "a branch continues the snapshot, it never starts fresh"
+    );
+    assert_eq!(
+        b.metadata.owner_references.as_ref().unwrap()[0].kind,
+        "BranchSet"
+    );
+}
+
+#[test]
+fn replicas_are_named_by_index() {
+    let bs = branchset(serde_json::json!({"source": {"snapshot": "bs-base"}, "replicas": 3}));
+    assert_eq!(branch_names(&bs), ["b0", "b1", "b2"]);
+}
+
+#[test]
+fn the_earliest_commit_wins_and_siblings_are_deleted_at_once() {
+    let mut bs = three();
+    let branches = [
+        branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 12))),
+        branch("b", SandboxPhase::Running, Some((VerdictValue::Commit, 10))),
+        branch("c", SandboxPhase::Running, None),
+    ];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 13);
+    assert_eq!(p.status.winner.as_deref(), Some("b"));
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+    let mut deleted = p.delete_branches.clone();
+    deleted.sort();
+    assert_eq!(deleted, ["bs-a", "bs-c"]);
+    assert!(p.create_branches.is_empty());
+    advance(&mut bs, &p);
+
+    // A later reconcile never changes the winner, even if an earlier verdict shows up.
+    let late = [
+        branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 1))),
+        branch("b", SandboxPhase::Running, Some((VerdictValue::Commit, 10))),
+    ];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &late, 14);
+    assert_eq!(p.status.winner.as_deref(), Some("b"));
+}
+
+#[test]
+fn simultaneous_commits_break_ties_by_name() {
+    let bs = three();
+    let branches = [
+        branch("c", SandboxPhase::Running, Some((VerdictValue::Commit, 10))),
+        branch("b", SandboxPhase::Running, Some((VerdictValue::Commit, 10))),
+        branch("a", SandboxPhase::Running, Some((VerdictValue::Abort, 9))),
+    ];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 11);
+    assert_eq!(p.status.winner.as_deref(), Some("b"));
+}
+
+#[test]
+fn the_commit_is_done_when_the_parent_records_it() {
+    let mut bs = three();
+    let branches = [branch(
+        "a",
+        SandboxPhase::Running,
+        Some((VerdictValue::Commit, 5)),
+    )];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 6);
+    advance(&mut bs, &p);
+    let mut parent = parent();
+    parent.status.as_mut().unwrap().last_commit = Some(AppliedCommit {
+        branch_set: "bs".into(),
+        branch_set_uid: "uid-1".into(),
+        winner: "a".into(),
+        commit: CommitStatus {
+            mode: CommitMode::Full,
+            files: vec![],
+            file_count: 3,
+            bytes: 10,
+            at: Some(Time(t(7))),
+        },
+    });
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent), &branches, 8);
+    assert_eq!(p.status.phase, BranchSetPhase::Committed);
+    assert_eq!(p.status.commit.as_ref().unwrap().file_count, 3);
+    assert!(p.status.conditions.is_true(READY));
+    assert_eq!(
+        p.delete_branches,
+        ["bs-a"],
+        "the winner's state lives in the parent now"
+    );
+    let won = p.status.branches.iter().find(|b| b.name == "a").unwrap();
+    assert_eq!(won.phase, BranchPhase::Won);
+}
+
+/// The plan with the winner `a` as the only branch.
+fn run_winner(bs: &BranchSet, winner: &Sandbox, now: i64) -> Plan {
+    run(
+        bs,
+        Some(&ready_snapshot()),
+        Some(&parent()),
+        std::slice::from_ref(winner),
+        now,
+    )
+}
+
+#[test]
+fn a_refused_commit_ends_the_set_in_conflict_and_its_winners_effects_never_run() {
+    let mut bs = three();
+    let mut winner = branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 5)));
+    if let Some(o) = winner.status.as_mut().and_then(|s| s.branch.as_mut()) {
+        o.effects = vec![ramify_crds::RequestedEffect {
+            name: "01-deploy.json".into(),
+            kind: "deploy".into(),
+            payload: "{}".into(),
+        }];
+    }
+    let p = run_winner(&bs, &winner, 6);
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+    advance(&mut bs, &p);
+
+    // A refusal recorded for another BranchSet is not this set's.
+    let refusal = |uid: &str| CommitRefusal {
+        branch_set_uid: uid.into(),
+        reason: REASON_COMMIT_CONFLICT.into(),
+        message: "the parent changed since the fork point: 1 other commit(s) applied".into(),
+        fork_generation: 0,
+        parent_generation: 1,
+        conflicting_paths: vec![],
+        at: None,
+    };
+    winner.status.as_mut().unwrap().commit_refused = Some(refusal("uid-other"));
+    let p = run_winner(&bs, &winner, 7);
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+
+    winner.status.as_mut().unwrap().commit_refused = Some(refusal("uid-1"));
+    let p = run_winner(&bs, &winner, 8);
+    assert_eq!(p.status.phase, BranchSetPhase::Conflict);
+    assert!(p.status.commit.is_none(), "nothing reports a commit");
+    let ready = p.status.conditions.get_condition(READY).unwrap();
+    assert_eq!(ready.reason, REASON_COMMIT_CONFLICT);
+    assert!(
+        ready.message.contains("since the fork point"),
+        "{}",
+        ready.message
+    );
+    let a = p.status.branches.iter().find(|b| b.name == "a").unwrap();
+    assert_eq!(a.phase, BranchPhase::Conflict);
+    assert_eq!(p.delete_branches, ["bs-a"]);
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.warning && n.reason == REASON_COMMIT_CONFLICT)
+    );
+    assert!(!p.notes.iter().any(|n| n.reason == "Committed"));
+    assert_eq!(p.status.effects.len(), 1);
+    assert_eq!(p.status.effects[0].state, EffectState::Discarded);
+
+    // It stays ended: a later reconcile changes nothing but cleans up.
+    advance(&mut bs, &p);
+    let p = run_winner(&bs, &winner, 9);
+    assert_eq!(p.status.phase, BranchSetPhase::Conflict);
+    assert!(p.notes.is_empty());
+}
+
+#[test]
+fn every_branch_aborting_exhausts_the_set_and_leaves_the_parent() {
+    let bs = three();
+    let branches = [
+        branch("a", SandboxPhase::Running, Some((VerdictValue::Abort, 5))),
+        branch("b", SandboxPhase::Failed, None),
+        branch("c", SandboxPhase::Running, Some((VerdictValue::Abort, 6))),
+    ];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 7);
+    assert_eq!(p.status.phase, BranchSetPhase::Exhausted);
+    assert!(p.status.winner.is_none());
+    assert_eq!(p.delete_branches.len(), 3);
+}
+
+#[test]
+fn the_timeout_exhausts_the_set() {
+    let mut bs = three();
+    let branches = [
+        branch("a", SandboxPhase::Running, None),
+        branch("b", SandboxPhase::Running, None),
+        branch("c", SandboxPhase::Running, None),
+    ];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 10);
+    assert_eq!(p.status.phase, BranchSetPhase::Running);
+    let requeue = p.requeue.unwrap();
+    assert!(
+        requeue > Duration::from_secs(99) && requeue < Duration::from_secs(101),
+        "{requeue:?}"
+    );
+    advance(&mut bs, &p);
+    let p = run(
+        &bs,
+        Some(&ready_snapshot()),
+        Some(&parent()),
+        &branches,
+        111,
+    );
+    assert_eq!(p.status.phase, BranchSetPhase::Exhausted);
+    assert!(
+        p.status
+            .conditions
+            .get_condition(READY)
+            .unwrap()
+            .message
+            .contains("no branch committed within 100s")
+    );
+}
+
+#[test]
+fn the_abort_annotation_ends_the_set_without_a_winner() {
+    let mut bs = three();
+    bs.metadata.annotations = Some([(ANNOTATION_ABORT.to_string(), "true".to_string())].into());
+    let branches = [branch("a", SandboxPhase::Running, None)];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 5);
+    assert_eq!(p.status.phase, BranchSetPhase::Exhausted);
+    assert!(p.status.winner.is_none());
+    assert_eq!(p.delete_branches, ["bs-a"]);
+}
+
+#[test]
+fn a_failed_snapshot_fails_the_set_without_starting_fresh() {
+    let bs = three();
+    let mut snap = ready_snapshot();
+    snap.status.as_mut().unwrap().phase = SnapshotPhase::Failed;
+    let p = run(&bs, Some(&snap), Some(&parent()), &[], 3);
+    assert_eq!(p.status.phase, BranchSetPhase::Failed);
+    assert!(p.create_branches.is_empty());
+}
+
+#[test]
+fn manual_policy_waits_for_a_selection() {
+    let mut bs = branchset(
+        serde_json::json!({"source": {"sandbox": "parent"}, "branches": [{"name": "a"}, {"name": "b"}], "policy": "Manual"}),
+    );
+    let branches = [
+        branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 5))),
+        branch("b", SandboxPhase::Running, Some((VerdictValue::Abort, 5))),
+    ];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 6);
+    assert!(p.status.winner.is_none(), "Manual never picks on its own");
+    assert_eq!(p.status.phase, BranchSetPhase::Running);
+    bs.spec.selected_branch = Some("a".into());
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 7);
+    assert_eq!(p.status.winner.as_deref(), Some("a"));
+}
+
+#[test]
+fn a_nested_set_aborts_with_its_invalidated_parent_branch() {
+    let bs = three();
+    let mut parent = parent();
+    parent.metadata.deletion_timestamp = Some(Time(t(3)));
+    let branches = [branch("a", SandboxPhase::Running, None)];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent), &branches, 4);
+    assert_eq!(p.status.phase, BranchSetPhase::Failed);
+    assert_eq!(
+        p.status.conditions.get_condition(READY).unwrap().reason,
+        "ParentInvalidated"
+    );
+    assert_eq!(p.delete_branches, ["bs-a"]);
+}
+
+#[test]
+fn a_vanished_branch_fails_instead_of_restarting() {
+    let mut bs = three();
+    let branches = [
+        branch("a", SandboxPhase::Running, None),
+        branch("b", SandboxPhase::Running, None),
+        branch("c", SandboxPhase::Running, None),
+    ];
+    let p = run(&bs, Some(&ready_snapshot()), Some(&parent()), &branches, 5);
+    advance(&mut bs, &p);
+    let p = run(
+        &bs,
+        Some(&ready_snapshot()),
+        Some(&parent()),
+        &branches[..2],
+        6,
+    );
+    let c = p.status.branches.iter().find(|b| b.name == "c").unwrap();
+    assert_eq!(c.phase, BranchPhase::Failed);
+    assert!(p.create_branches.is_empty(), "never re-created silently");
+}
