@@ -214,7 +214,11 @@ async fn abort_nested(ctx: &Context, ns: &str, parents: &[String]) -> Result<()>
                         .delete(&sbx.name_any(), &DeleteParams::background())
                         .await
                     {
-                        Ok(_) | Err(kube::Error::Api(_)) => {}
+                        Ok(_) => {}
+                        // Gone already: what the deletion wanted. Anything else (403,
+                        // 5xx, a timeout) fails the reconcile, which backs off and
+                        // retries: a nested branch left running would outlive its parent.
+                        Err(e) if is_not_found(&e) => {}
                         Err(e) => return Err(e.into()),
                     }
                 }
