@@ -68,7 +68,7 @@ impl Agents {
             .ok_or_else(|| AgentError::NotBound(format!("{namespace}/{name}")))?;
         let leases: Api<Lease> = Api::namespaced(self.client.clone(), &self.system_namespace);
         let url = leases
-            .get_opt(&format!("ramify-node-{node}"))
+            .get_opt(&ramify_crds::node_lease_name(&node))
             .await?
             .and_then(|l| l.metadata.annotations)
             .and_then(|a| a.get(ANNOTATION_AGENT_ENDPOINT).cloned())

@@ -130,7 +130,3 @@ pub struct EnvVar {
 pub const CONDITION_RECONCILED: &str = "Reconciled";
 /// The node agent's counterpart of [`CONDITION_RECONCILED`]; its message names the node.
 pub const CONDITION_NODE_RECONCILED: &str = "NodeReconciled";
-/// Field manager of the operator's [`CONDITION_RECONCILED`] writes (it owns only that).
-pub const MANAGER_OPERATOR_ERRORS: &str = "ramify-operator/errors";
-/// Field manager of the node agent's [`CONDITION_NODE_RECONCILED`] writes.
-pub const MANAGER_AGENT_ERRORS: &str = "ramify-node-agent/errors";

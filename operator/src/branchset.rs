@@ -20,7 +20,6 @@ use crate::error::{Error, Result, is_not_found};
 use crate::plan::{self, Observed};
 
 pub const CONTROLLER: &str = "branchset";
-const STATUS_MANAGER: &str = "ramify-operator/branchset";
 
 /// Reconciles one BranchSet.
 #[instrument(skip_all, fields(branchset = %obj.name_any(), ns = obj.namespace().unwrap_or_default()))]
@@ -259,11 +258,11 @@ async fn bind_branch(api: &Api<Sandbox>, sbx: &Sandbox) -> Result<()> {
         cond,
         k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()),
     );
-    let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+    let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox",
                       "status": {"nodeName": node, "conditions": conditions}});
     api.patch_status(
         name,
-        &PatchParams::apply(crate::sandbox::BINDING_MANAGER).force(),
+        &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING).force(),
         &Patch::Apply(&body),
     )
     .await?;
@@ -278,7 +277,7 @@ async fn write_status(
     status: &ramify_crds::BranchSetStatus,
 ) -> Result<Option<String>> {
     let body = json!({
-        "apiVersion": "ramify.dev/v1alpha1",
+        "apiVersion": ramify_crds::API_VERSION,
         "kind": "BranchSet",
         "metadata": {"resourceVersion": resource_version},
         "status": status,
@@ -289,7 +288,7 @@ async fn write_status(
         "branchset status",
         api.patch_status(
             &bs.name_any(),
-            &PatchParams::apply(STATUS_MANAGER).force(),
+            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_BRANCHSET).force(),
             &Patch::Apply(&body),
         ),
     )

@@ -97,7 +97,7 @@ pub async fn report_invalid(ctx: &Context, kind: &str, invalid: &InvalidObject) 
     warn!(kind, name = ?invalid.metadata.name, error = %invalid.error, "skipping object that does not deserialize");
     ctx.metrics.failed(kind, "invalid_object");
     let reference = k8s_openapi::api::core::v1::ObjectReference {
-        api_version: Some("ramify.dev/v1alpha1".into()),
+        api_version: Some(ramify_crds::API_VERSION.into()),
         kind: Some(kind.into()),
         name: invalid.metadata.name.clone(),
         namespace: invalid.metadata.namespace.clone(),

@@ -33,10 +33,7 @@ pub struct NodeAgent {
     pub allocatable: Option<Requests>,
 }
 
-/// The node name of a node-agent lease name (`ramify-node-<node>`).
-pub fn lease_name(node: &str) -> String {
-    format!("ramify-node-{node}")
-}
+pub use ramify_crds::node_lease_name as lease_name;
 
 /// Reads every node agent's lease.
 pub async fn list(client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {

@@ -27,7 +27,6 @@ use crate::error::{Error, Result};
 use crate::nodes;
 
 pub const CONTROLLER: &str = "sandbox";
-pub(crate) const BINDING_MANAGER: &str = "ramify-operator/sandbox-binding";
 
 /// Reconciles one Sandbox.
 #[instrument(skip_all, fields(sandbox = %obj.name_any(), ns = obj.namespace().unwrap_or_default()))]
@@ -186,7 +185,7 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         Time(Timestamp::now()),
     );
     let patch = json!({
-        "apiVersion": "ramify.dev/v1alpha1",
+        "apiVersion": ramify_crds::API_VERSION,
         "kind": "Sandbox",
         "metadata": {"resourceVersion": sbx.resource_version()},
         "status": {"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()},
@@ -195,7 +194,7 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         "sandbox binding",
         api.patch_status(
             &name,
-            &PatchParams::apply(BINDING_MANAGER).force(),
+            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING).force(),
             &Patch::Apply(&patch),
         ),
     )
@@ -281,12 +280,13 @@ async fn unschedulable(
     if fatal {
         status["phase"] = json!(SandboxPhase::Failed);
     }
-    let patch = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": status});
+    let patch =
+        json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": status});
     crate::writes::within(
         "sandbox scheduling",
         api.patch_status(
             &sbx.name_any(),
-            &PatchParams::apply(BINDING_MANAGER).force(),
+            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING).force(),
             &Patch::Apply(&patch),
         ),
     )

@@ -21,7 +21,6 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 
 pub const CONTROLLER: &str = "snapshot";
-const BINDING_MANAGER: &str = "ramify-operator/snapshot-binding";
 
 /// Reconciles one Snapshot.
 #[instrument(skip_all, fields(snapshot = %obj.name_any(), ns = obj.namespace().unwrap_or_default()))]
@@ -156,7 +155,7 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     }
     conditions.set_condition(cond, Time(Timestamp::now()));
     let mut body = json!({
-        "apiVersion": "ramify.dev/v1alpha1",
+        "apiVersion": ramify_crds::API_VERSION,
         "kind": "Snapshot",
         "metadata": {"resourceVersion": snap.resource_version()},
         "status": {"conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()},
@@ -168,7 +167,7 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
         "snapshot binding",
         api.patch_status(
             &name,
-            &PatchParams::apply(BINDING_MANAGER).force(),
+            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SNAPSHOT_BINDING).force(),
             &Patch::Apply(&body),
         ),
     )

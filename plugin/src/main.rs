@@ -215,7 +215,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 }
             };
             let obj: BranchSet = serde_json::from_value(json!({
-                "apiVersion": "ramify.dev/v1alpha1", "kind": "BranchSet",
+                "apiVersion": ramify_crds::API_VERSION, "kind": "BranchSet",
                 "metadata": {"name": name}, "spec": spec}))
             .map_err(|e| Error::Other(e.to_string()))?;
             match branchsets.create(&PostParams::default(), &obj).await {
@@ -311,9 +311,9 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             branchsets
                 .patch(
                     &branchset,
-                    &PatchParams::apply("kubectl-ramify").force(),
+                    &PatchParams::apply(ramify_crds::MANAGER_PLUGIN).force(),
                     &Patch::Apply(&json!({
-                    "apiVersion": "ramify.dev/v1alpha1", "kind": "BranchSet",
+                    "apiVersion": ramify_crds::API_VERSION, "kind": "BranchSet",
                     "spec": {"selectedBranch": branch}})),
                 )
                 .await?;

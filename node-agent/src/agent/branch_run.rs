@@ -16,8 +16,6 @@ use crate::control::Verdict;
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 
-const BRANCH_MANAGER: &str = "ramify-node-agent/branch";
-
 /// Most effects recorded per branch, and the largest payload kept per effect.
 const MAX_RECORDED_EFFECTS: usize = 64;
 const MAX_EFFECT_PAYLOAD: usize = 4096;
@@ -322,14 +320,14 @@ impl Agent {
         name: &str,
         outcome: &serde_json::Value,
     ) -> Result<()> {
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {"branch": outcome}});
+        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": {"branch": outcome}});
         let mut attempts = 0;
         loop {
             let sent = writes::within(
                 "branch outcome",
                 api.patch_status(
                     name,
-                    &PatchParams::apply(BRANCH_MANAGER).force(),
+                    &PatchParams::apply(ramify_crds::MANAGER_AGENT_BRANCH).force(),
                     &Patch::Apply(&body),
                 ),
             )

@@ -30,7 +30,6 @@ use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 use crate::fault;
 
-const COMMIT_MANAGER: &str = "ramify-node-agent/commit";
 /// At most this many changed files are listed in a status (the count is always exact).
 const MAX_LISTED_FILES: usize = 256;
 
@@ -88,7 +87,7 @@ impl Agent {
         {
             return Ok(Action::await_change());
         }
-        let winner_name = format!("{}-{winner}", bs.name_any());
+        let winner_name = ramify_crds::branch_sandbox_name(&bs.name_any(), &winner);
         let winner_obj = sandboxes.get_opt(&winner_name).await?;
         if winner_obj
             .as_ref()
@@ -119,7 +118,7 @@ impl Agent {
             }
         };
         let commits = i64::try_from(rec.commits.generation).unwrap_or(i64::MAX);
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": {
+        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": {
             "commits": commits,
             "sandboxId": rec.sandbox_id,
             "lastCommit": {
@@ -132,7 +131,7 @@ impl Agent {
             "commit",
             sandboxes.patch_status(
                 &parent_name,
-                &PatchParams::apply(COMMIT_MANAGER).force(),
+                &PatchParams::apply(ramify_crds::MANAGER_AGENT_COMMIT).force(),
                 &Patch::Apply(&body),
             ),
         )
@@ -296,7 +295,7 @@ impl Agent {
             conflicting_paths: c.paths,
             at: Some(now()),
         };
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox",
                           "status": {"commitRefused": refusal}});
         let api: Api<SandboxObj> =
             Api::namespaced(self.client.clone(), &bs.namespace().unwrap_or_default());
@@ -304,7 +303,7 @@ impl Agent {
             "commit refusal",
             api.patch_status(
                 winner_name,
-                &PatchParams::apply(COMMIT_MANAGER).force(),
+                &PatchParams::apply(ramify_crds::MANAGER_AGENT_COMMIT).force(),
                 &Patch::Apply(&body),
             ),
         )

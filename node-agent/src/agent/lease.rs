@@ -17,8 +17,6 @@ use ramify_crds::capacity::{
 use serde_json::json;
 use tracing::warn;
 
-const MANAGER: &str = "ramify-node-agent/lease";
-
 /// What the agent announces about itself.
 #[derive(Clone, Debug)]
 pub struct Announcement {
@@ -35,10 +33,7 @@ pub struct Announcement {
     pub endpoint: Option<String>,
 }
 
-/// The name of `node`'s Lease.
-pub fn lease_name(node: &str) -> String {
-    format!("ramify-node-{node}")
-}
+pub use ramify_crds::node_lease_name as lease_name;
 
 impl Announcement {
     pub fn lease_name(&self) -> String {
@@ -75,7 +70,7 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
     }
     api.patch(
         &a.lease_name(),
-        &PatchParams::apply(MANAGER).force(),
+        &PatchParams::apply(ramify_crds::MANAGER_AGENT_LEASE).force(),
         &Patch::Apply(&body),
     )
     .await

@@ -18,8 +18,6 @@ use super::{Agent, Handle, now, writes};
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 
-const SANDBOX_MANAGER: &str = "ramify-node-agent/sandbox";
-
 impl Agent {
     /// Writes the agent-owned part of a Sandbox's status (always the whole part: with
     /// server-side apply, a field left out is a field given up).
@@ -70,12 +68,12 @@ impl Agent {
                 dst.insert(k.clone(), v.clone());
             }
         }
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox", "status": st});
+        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": st});
         writes::within(
             "status",
             api.patch_status(
                 &obj.name_any(),
-                &PatchParams::apply(SANDBOX_MANAGER).force(),
+                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SANDBOX).force(),
                 &Patch::Apply(&body),
             ),
         )

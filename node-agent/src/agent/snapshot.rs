@@ -20,8 +20,6 @@ use super::registry::SnapshotRecord;
 use super::{Agent, admission, error_category, millis, now, short_version, writes};
 use crate::error::Result;
 
-const SNAPSHOT_MANAGER: &str = "ramify-node-agent/snapshot";
-
 impl Agent {
     #[instrument(skip_all, fields(snapshot = %snap.name_any()))]
     pub(super) async fn reconcile_snapshot(&self, snap: &SnapshotObj) -> Result<Action> {
@@ -199,12 +197,12 @@ impl Agent {
         if want > 0 && reported != Some(ready_i32) {
             let api: Api<SnapshotObj> =
                 Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
-            let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"warm": {"ready": ready_i32}}});
+            let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {"warm": {"ready": ready_i32}}});
             writes::within(
                 "status",
                 api.patch_status(
                     &snap.name_any(),
-                    &PatchParams::apply("ramify-node-agent/warm-pool").force(),
+                    &PatchParams::apply(ramify_crds::MANAGER_AGENT_WARM_POOL).force(),
                     &Patch::Apply(&body),
                 ),
             )
@@ -222,12 +220,12 @@ impl Agent {
     async fn write_snapshot_phase(&self, snap: &SnapshotObj, phase: SnapshotPhase) -> Result<()> {
         let api: Api<SnapshotObj> =
             Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {"phase": phase}});
+        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {"phase": phase}});
         writes::within(
             "status",
             api.patch_status(
                 &snap.name_any(),
-                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SNAPSHOT).force(),
                 &Patch::Apply(&body),
             ),
         )
@@ -255,7 +253,7 @@ impl Agent {
             ),
             now(),
         );
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {
+        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {
             "phase": SnapshotPhase::Ready,
             "sizeBytes": meta.size_bytes,
             "sha256": meta.sha256,
@@ -272,7 +270,7 @@ impl Agent {
             "status",
             api.patch_status(
                 &snap.name_any(),
-                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SNAPSHOT).force(),
                 &Patch::Apply(&body),
             ),
         )
@@ -299,7 +297,7 @@ impl Agent {
             ),
             now(),
         );
-        let body = json!({"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot", "status": {
+        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {
             "phase": SnapshotPhase::Failed,
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
         }});
@@ -307,7 +305,7 @@ impl Agent {
             "status",
             api.patch_status(
                 &snap.name_any(),
-                &PatchParams::apply(SNAPSHOT_MANAGER).force(),
+                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SNAPSHOT).force(),
                 &Patch::Apply(&body),
             ),
         )

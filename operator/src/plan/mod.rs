@@ -91,10 +91,7 @@ pub fn branch_names(bs: &BranchSet) -> Vec<String> {
     }
 }
 
-/// Name of a branch's Sandbox.
-pub fn branch_sandbox_name(bs: &str, branch: &str) -> String {
-    format!("{bs}-{branch}")
-}
+pub use ramify_crds::branch_sandbox_name;
 
 /// Name of the snapshot a BranchSet takes of its source sandbox.
 pub fn snapshot_name(bs: &str) -> String {
