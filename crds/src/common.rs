@@ -13,6 +13,10 @@ pub const VERSION: &str = "v1alpha1";
 pub const LABEL_BRANCHSET: &str = "ramify.dev/branchset";
 /// Label set on branch Sandboxes: the branch name inside its BranchSet.
 pub const LABEL_BRANCH: &str = "ramify.dev/branch";
+/// Label the operator sets on a BranchSet once its parent is bound: the node the parent
+/// runs on (where its branches run and its commit applies). Each node agent watches
+/// only the BranchSets labelled with its own node.
+pub const LABEL_NODE: &str = "ramify.dev/node";
 /// Annotation on a BranchSet: `"true"` ends it without a winner (what
 /// `kubectl ramify abort` sets). Ignored once a winner is chosen.
 pub const ANNOTATION_ABORT: &str = "ramify.dev/abort";

@@ -9,6 +9,8 @@ pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 
 /// Operator: a BranchSet's status (phase, branches, winner, effects).
 pub const MANAGER_OPERATOR_BRANCHSET: &str = "ramify-operator/branchset";
+/// Operator: a BranchSet's [`crate::LABEL_NODE`] label (metadata only).
+pub const MANAGER_OPERATOR_NODE_LABEL: &str = "ramify-operator/node-label";
 /// Operator: a Sandbox's binding to a node (`status.nodeName`, `Scheduled`).
 pub const MANAGER_OPERATOR_SANDBOX_BINDING: &str = "ramify-operator/sandbox-binding";
 /// Operator: a Snapshot's binding to its source's node.

@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use ramify_crds::{
     BranchPhase, BranchSet, BranchSetPhase, ChangeKind, LABEL_BRANCHSET, Sandbox, SandboxPhase,
@@ -69,6 +70,13 @@ async fn three_branches_one_passes_and_its_live_state_becomes_the_parent() {
     let bs = sys
         .wait_branchset("try-fixes", "ended", 180, committed)
         .await;
+    // Labelled with the parent's node: that node's agent watches only such sets.
+    assert_eq!(
+        bs.labels().get(ramify_crds::LABEL_NODE),
+        Some(&sys.node()),
+        "{:?}",
+        bs.labels()
+    );
     let st = bs.status.unwrap();
     assert_eq!(st.phase, BranchSetPhase::Committed, "{:#?}", st);
     assert_eq!(st.winner.as_deref(), Some("fix-b"));

@@ -11,7 +11,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
-use ramify_crds::{BranchSet, LABEL_BRANCHSET, Sandbox, Snapshot};
+use ramify_crds::{BranchSet, LABEL_BRANCHSET, LABEL_NODE, Sandbox, Snapshot};
 use serde_json::json;
 use tracing::{debug, instrument};
 
@@ -69,6 +69,19 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
         .clone()
         .or_else(|| snapshot.as_ref().map(|s| s.spec.source.sandbox.clone()));
     let parent = parent_name.and_then(|p| ctx.cache.sandbox(&ns, &p));
+    // The agent of the parent's node watches only BranchSets labelled with it: label
+    // first, so it sees this one before any branch of it exists.
+    if let Some(node) = parent.as_ref().and_then(|p| {
+        // A branch (the parent of a nested set) is pinned by its spec.
+        p.status
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .or_else(|| p.spec.node_name.clone())
+    }) && bs.labels().get(LABEL_NODE) != Some(&node)
+    {
+        label_node(ctx, bs, &node).await?;
+        return Ok(Action::await_change()); // the label write is a change: seen again
+    }
     // A branch the status says existed but the cache lacks is either gone or not yet
     // seen by this watch (a new leader's cache may trail the old leader's writes). A
     // vanished branch fails for good, so confirm with the API server before deciding.
@@ -193,6 +206,26 @@ async fn create_branches(sandboxes: &Api<Sandbox>, branches: &[Sandbox]) -> Resu
 /// BranchSets nested under an invalidated branch abort with it: their branch sandboxes
 /// are deleted now; their own reconcile (triggered by the parent's deletion) records
 /// `Failed/ParentInvalidated`.
+/// Sets the BranchSet's [`LABEL_NODE`] (server-side apply of that one label).
+async fn label_node(ctx: &Context, bs: &BranchSet, node: &str) -> Result<()> {
+    let api: Api<BranchSet> =
+        Api::namespaced(ctx.client.clone(), &bs.namespace().unwrap_or_default());
+    let body = json!({
+        "apiVersion": ramify_crds::API_VERSION, "kind": "BranchSet",
+        "metadata": {"name": bs.name_any(), "labels": {LABEL_NODE: node}},
+    });
+    crate::writes::within(
+        "node label",
+        api.patch(
+            &bs.name_any(),
+            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_NODE_LABEL).force(),
+            &Patch::Apply(&body),
+        ),
+    )
+    .await?;
+    Ok(())
+}
+
 async fn abort_nested(ctx: &Context, ns: &str, parents: &[String]) -> Result<()> {
     if parents.is_empty() {
         return Ok(());

@@ -112,6 +112,12 @@ pub async fn report_invalid(ctx: &Context, kind: &str, invalid: &InvalidObject) 
 /// to `N` controllers. Every touched object goes to each (deletions included, so an
 /// owner hears of a child's deletion), through unbounded channels: a busy controller
 /// lags, it never misses a trigger.
+///
+/// Not kube-runtime's shared reflector (`store_shared` + `for_shared_stream`): its
+/// subscribers share one bounded buffer, and a full buffer holds the watch until the
+/// slowest subscriber catches up, so a BranchSet controller busy with 100 branches
+/// would stall the Sandbox and Snapshot controllers too. An unbounded channel per
+/// controller costs memory only while one lags, and the watch itself never waits.
 #[allow(clippy::type_complexity)]
 fn fan_out<K, const N: usize>(
     api: Api<K>,

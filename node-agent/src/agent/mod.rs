@@ -1,6 +1,6 @@
 //! The node agent's Kubernetes side: it watches the Sandboxes and Snapshots bound to
 //! its node (`status.nodeName`, a selectable field) and the BranchSets that commit into
-//! its sandboxes, does the work with the [`Engine`], and reports through status. It
+//! its sandboxes (labelled `ramify.dev/node` with it by the operator), does the work with the [`Engine`], and reports through status. It
 //! never talks to the operator directly.
 //!
 //! Crash safety: what the node holds is recorded in the [`registry`] before it is
@@ -106,7 +106,7 @@ pub struct Agent {
     settler: ramify_runtime::settle::Settler,
 }
 
-/// What the agent's watches hold: its node's Snapshots, every BranchSet, and the
+/// What the agent's watches hold: its node's Snapshots and BranchSets, and the
 /// Sandboxes bound or pinned here.
 struct AgentCache {
     snapshots: Store<DeserializeGuard<SnapshotObj>>,
@@ -332,9 +332,13 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
         mine,
     );
+    // Only the BranchSets whose parent runs here (the operator labels them before any
+    // branch exists): an agent never holds the whole cluster's BranchSets.
     let commit_ctl = Controller::new(
         Api::<DeserializeGuard<BranchSet>>::all(client.clone()),
-        watcher::Config::default().any_semantic(),
+        watcher::Config::default()
+            .labels(&format!("{}={}", ramify_crds::LABEL_NODE, agent.cfg.node))
+            .any_semantic(),
     );
     let _ = agent.cache.set(AgentCache {
         snapshots: snap_ctl.store(),
