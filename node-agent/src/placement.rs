@@ -122,6 +122,11 @@ pub(crate) fn delete_listed_rule(line: &str) -> Option<Cmd> {
     )
 }
 
+/// Where `ip netns` keeps the named network namespace of sandbox `id`.
+fn netns_path(id: &str) -> PathBuf {
+    Path::new("/run/netns").join(id)
+}
+
 /// iptables chain name for a sandbox: short (<= 28 chars) and stable.
 pub fn chain_name(id: &str) -> String {
     let h = Sha256::digest(id.as_bytes());
@@ -507,14 +512,21 @@ impl Placement for Standalone {
             // half-made placement: DEL of what was never added, or of a netns that is
             // gone, is a no-op for the plugins, and a lease must not outlive its owner.
             note(self.cni_del(&placed.id).await);
-            if placed.netns.is_some() {
-                note(
-                    Cmd::new("ip")
-                        .args(["netns", "delete", placed.id.as_str()])
-                        .run()
-                        .await
-                        .map(|_| ()),
-                );
+            // Only while it exists: a retry after a failed teardown (a process slow to
+            // die under load) finds it gone, and must not fail on that for ever.
+            if placed.netns.is_some() && netns_path(&placed.id).exists() {
+                let deleted = Cmd::new("ip")
+                    .args(["netns", "delete", placed.id.as_str()])
+                    .run()
+                    .await
+                    .map(|_| ());
+                note(deleted.or_else(|e| {
+                    if netns_path(&placed.id).exists() {
+                        Err(e)
+                    } else {
+                        Ok(()) // removed meanwhile: what was wanted
+                    }
+                }));
             }
             match first {
                 Some(e) => Err(e),
