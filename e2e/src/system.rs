@@ -276,9 +276,29 @@ impl System {
 
     /// The Event published about `name` with `reason` (waits up to 30 s for it).
     pub async fn event(&self, name: &str, reason: &str) -> k8s_openapi::api::events::v1::Event {
-        let events: Api<k8s_openapi::api::events::v1::Event> =
-            Api::namespaced(self.client.clone(), &self.ns.name);
-        let deadline = Instant::now() + Duration::from_secs(30);
+        self.wait_event(false, 30, &format!("{reason} Event about {name}"), |e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                && e.reason.as_deref() == Some(reason)
+        })
+        .await
+    }
+
+    /// The first Event for which `pred` holds, in the test namespace (or, with
+    /// `all_namespaces`, anywhere: the agent reports node matters on its Lease), within
+    /// `secs`; `what` names it in the failure message.
+    pub async fn wait_event(
+        &self,
+        all_namespaces: bool,
+        secs: u64,
+        what: &str,
+        pred: impl Fn(&k8s_openapi::api::events::v1::Event) -> bool,
+    ) -> k8s_openapi::api::events::v1::Event {
+        let events: Api<k8s_openapi::api::events::v1::Event> = if all_namespaces {
+            Api::all(self.client.clone())
+        } else {
+            Api::namespaced(self.client.clone(), &self.ns.name)
+        };
+        let deadline = Instant::now() + Duration::from_secs(secs);
         loop {
             let found = events
                 .list(&ListParams::default())
@@ -286,16 +306,13 @@ impl System {
                 .unwrap()
                 .items
                 .into_iter()
-                .find(|e| {
-                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-                        && e.reason.as_deref() == Some(reason)
-                });
+                .find(&pred);
             if let Some(e) = found {
                 return e;
             }
             assert!(
                 Instant::now() < deadline,
-                "no {reason} Event about {name}\n{}",
+                "no {what} within {secs}s\n{}",
                 self.diagnostics()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;

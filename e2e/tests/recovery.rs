@@ -6,9 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams};
 use ramify_crds::SandboxPhase;
 use ramify_e2e::system::System;
 
@@ -105,40 +103,23 @@ async fn a_corrupt_registry_record_is_skipped_and_reported_and_the_resume_goes_o
     let mut aside = record.clone().into_os_string();
     aside.push(".corrupt");
     assert!(std::path::Path::new(&aside).exists(), "{aside:?} missing");
-    let events: Api<Event> = Api::all(sys.client.clone());
     let shown = record.display().to_string();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let found = events
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .find(|e| {
-                e.reason.as_deref() == Some("CorruptRecord")
-                    && e.note.as_deref().is_some_and(|n| n.contains(&shown))
-            });
-        if let Some(e) = found {
-            assert_eq!(e.type_.as_deref(), Some("Warning"));
-            let regarding = e.regarding.unwrap();
-            assert_eq!(regarding.kind.as_deref(), Some("Lease"));
-            assert!(
-                regarding
-                    .name
-                    .as_deref()
-                    .is_some_and(|n| n.starts_with("ramify-node-")),
-                "{regarding:?}"
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no CorruptRecord Event\n{}",
-            sys.diagnostics()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let e = sys
+        .wait_event(true, 30, "CorruptRecord Event", |e| {
+            e.reason.as_deref() == Some("CorruptRecord")
+                && e.note.as_deref().is_some_and(|n| n.contains(&shown))
+        })
+        .await;
+    assert_eq!(e.type_.as_deref(), Some("Warning"));
+    let regarding = e.regarding.unwrap();
+    assert_eq!(regarding.kind.as_deref(), Some("Lease"));
+    assert!(
+        regarding
+            .name
+            .as_deref()
+            .is_some_and(|n| n.starts_with("ramify-node-")),
+        "{regarding:?}"
+    );
     sys.teardown_and_check_clean().await;
 }
 

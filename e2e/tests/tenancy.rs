@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
 use ramify_crds::{REASON_ROOTFS_REFUSED, RootfsClass, Sandbox, SandboxPhase};
 use ramify_e2e::system::{System, declare_class, open_to_others};
@@ -173,31 +172,18 @@ async fn assert_refused(sys: &System, name: &str, fragment: &str) -> (Duration, 
     );
     assert!(st.started_at.is_none());
     // The Event, published with the status.
-    let events: Api<Event> = Api::namespaced(sys.client.clone(), &sys.ns.name);
-    let deadline = Instant::now() + Duration::from_secs(REFUSAL_SECS);
-    loop {
-        let found = events
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .any(|e| {
-                e.reason.as_deref() == Some(REASON_ROOTFS_REFUSED)
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-                    && e.type_.as_deref() == Some("Warning")
-                    && e.note.as_deref().is_some_and(|n| n.contains(fragment))
-            });
-        if found {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{name}: no RootfsRefused Event\n{}",
-            sys.diagnostics()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    sys.wait_event(
+        false,
+        REFUSAL_SECS,
+        &format!("{name}: RootfsRefused Event"),
+        |e| {
+            e.reason.as_deref() == Some(REASON_ROOTFS_REFUSED)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                && e.type_.as_deref() == Some("Warning")
+                && e.note.as_deref().is_some_and(|n| n.contains(fragment))
+        },
+    )
+    .await;
     (took, ready.message.clone())
 }
 
