@@ -7,6 +7,31 @@
 /// `apiVersion` of every ramify object: [`crate::GROUP`]`/`[`crate::VERSION`].
 pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 
+// Server-side-apply field managers. Each owns disjoint status fields, and every write
+// sends all of its manager's fields (a field left out is given up), through the one
+// status writer of each binary (`ramify_runtime::status::apply_status`). Ownership:
+//
+// | object    | field(s)                                                      | manager                    |
+// |-----------|---------------------------------------------------------------|----------------------------|
+// | Sandbox   | nodeName, conditions[Scheduled]                               | operator/sandbox-binding   |
+// | Sandbox   | phase, observedGeneration, sandboxId, identity, startedAt,    | node-agent/sandbox         |
+// |           | restoredFrom, exit, exitCode, conditions[Ready]               |                            |
+// | Sandbox   | branch                                                        | node-agent/branch          |
+// | Sandbox   | commits, lastCommit (parent), commitRefused (winner)          | node-agent/commit          |
+// | Sandbox   | conditions[Reconciled] / conditions[NodeReconciled]           | operator/errors / node-agent/errors |
+// | Snapshot  | nodeName, conditions[Scheduled]                               | operator/snapshot-binding  |
+// | Snapshot  | phase, sizeBytes, sha256, runscVersion, platform,             | node-agent/snapshot        |
+// |           | captureMillis, capturedAt, source*, conditions[Ready]         |                            |
+// | Snapshot  | warm                                                          | node-agent/warm-pool       |
+// | Snapshot  | conditions[Reconciled] / conditions[NodeReconciled]           | operator/errors / node-agent/errors |
+// | BranchSet | everything but conditions[Reconciled]                         | operator/branchset         |
+// | BranchSet | conditions[Reconciled]                                        | operator/errors            |
+//
+// One exception, exclusive in time: the operator's binding manager writes a Sandbox's
+// `phase` (`Failed`) when it refuses to bind it for good (its snapshot is unusable);
+// such a sandbox is never bound, so no node agent ever writes it. The system test
+// `no_status_field_is_owned_by_two_field_managers` checks real objects' managed fields.
+
 /// Operator: a BranchSet's status (phase, branches, winner, effects).
 pub const MANAGER_OPERATOR_BRANCHSET: &str = "ramify-operator/branchset";
 /// Operator: a BranchSet's [`crate::LABEL_NODE`] label (metadata only).
@@ -17,7 +42,8 @@ pub const MANAGER_OPERATOR_SANDBOX_BINDING: &str = "ramify-operator/sandbox-bind
 pub const MANAGER_OPERATOR_SNAPSHOT_BINDING: &str = "ramify-operator/snapshot-binding";
 /// Operator: the [`crate::CONDITION_RECONCILED`] condition (it owns only that).
 pub const MANAGER_OPERATOR_ERRORS: &str = "ramify-operator/errors";
-/// Node agent: a Sandbox's runtime status (phase, sandboxId, exit, Ready).
+/// Node agent: a Sandbox's runtime status (phase, sandboxId, exit, Ready), also the
+/// parent's new `sandboxId` after a Full commit.
 pub const MANAGER_AGENT_SANDBOX: &str = "ramify-node-agent/sandbox";
 /// Node agent: a branch's outcome (`status.branch`).
 pub const MANAGER_AGENT_BRANCH: &str = "ramify-node-agent/branch";
@@ -25,7 +51,8 @@ pub const MANAGER_AGENT_BRANCH: &str = "ramify-node-agent/branch";
 pub const MANAGER_AGENT_SNAPSHOT: &str = "ramify-node-agent/snapshot";
 /// Node agent: a Snapshot's warm pool status.
 pub const MANAGER_AGENT_WARM_POOL: &str = "ramify-node-agent/warm-pool";
-/// Node agent: a parent's `lastCommit`/`commits` and a winner's `commitRefused`.
+/// Node agent: a parent's `lastCommit`/`commits` and a winner's `commitRefused` (not the
+/// parent's `sandboxId`: that is the sandbox manager's).
 pub const MANAGER_AGENT_COMMIT: &str = "ramify-node-agent/commit";
 /// Node agent: the [`crate::CONDITION_NODE_RECONCILED`] condition.
 pub const MANAGER_AGENT_ERRORS: &str = "ramify-node-agent/errors";

@@ -1161,3 +1161,128 @@ async fn the_committed_event_is_published_when_the_winner_has_effects() {
     assert!(note.contains("branch w committed"), "{note}");
     sys.teardown_and_check_clean().await;
 }
+
+/// Every `f:status` leaf of `obj`'s managed fields with the managers that own it.
+fn status_owners(obj: &impl kube::ResourceExt) -> std::collections::BTreeMap<String, Vec<String>> {
+    fn walk(
+        path: &str,
+        v: &serde_json::Value,
+        manager: &str,
+        out: &mut std::collections::BTreeMap<String, Vec<String>>,
+    ) {
+        let Some(m) = v.as_object() else { return };
+        let children: Vec<_> = m.iter().filter(|(k, _)| k.as_str() != ".").collect();
+        if children.is_empty() {
+            out.entry(path.to_string())
+                .or_default()
+                .push(manager.to_string());
+        }
+        for (k, c) in children {
+            walk(&format!("{path}/{k}"), c, manager, out);
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for e in obj.managed_fields() {
+        let (Some(manager), Some(fields)) = (e.manager.as_deref(), e.fields_v1.as_ref()) else {
+            continue;
+        };
+        if let Some(status) = fields.0.get("f:status") {
+            walk("f:status", status, manager, &mut out);
+        }
+    }
+    out
+}
+
+/// No status field is owned by two field managers.
+fn assert_disjoint(what: &str, obj: &impl kube::ResourceExt) {
+    let owners = status_owners(obj);
+    assert!(!owners.is_empty(), "{what}: no status field has an owner");
+    let shared: Vec<_> = owners.iter().filter(|(_, m)| m.len() > 1).collect();
+    assert!(
+        shared.is_empty(),
+        "{what}: fields with two owners: {shared:?}"
+    );
+}
+
+/// Each field manager owns its own status fields: after a fork and a Full commit (and
+/// the parent's next status report, its exit) no status field of the parent, a branch,
+/// the snapshot or the BranchSet has two owners.
+#[tokio::test]
+async fn no_status_field_is_owned_by_two_field_managers() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("owners").await;
+    // A parent that ends when told (a file): its exit is one more status report.
+    sys.apply(&sys.sandbox_with(
+        "workspace",
+        "echo v1 > /work/f; while [ ! -e /work/stop ]; do sleep 0.2; done",
+        "",
+    ));
+    sys.wait_sandbox("workspace", "Running", 120, |s| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == SandboxPhase::Running)
+    })
+    .await;
+    sys.apply(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: own
+spec:
+  source: {sandbox: workspace}
+  policy: Manual
+  branches:
+    - name: x
+      run: ["/bin/sh", "-c", "echo X > /work/f"]
+    - name: z
+      run: ["/bin/sh", "-c", "echo Z > /work/f"]
+  timeoutSeconds: 120
+"#,
+    );
+    let bs = sys
+        .wait_branchset("own", "verdicts", 120, |b| {
+            b.status.as_ref().is_some_and(|s| {
+                s.branches.len() == 2 && s.branches.iter().all(|b| b.verdict.is_some())
+            })
+        })
+        .await;
+    let snapshots: Api<ramify_crds::Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let snapshot = bs.status.as_ref().unwrap().snapshot.clone().unwrap();
+    assert_disjoint("snapshot", &snapshots.get(&snapshot).await.unwrap());
+    assert_disjoint("branch", &sys.sandboxes().get("own-x").await.unwrap());
+    assert_disjoint("branchset", &sys.branchsets().get("own").await.unwrap());
+    assert_disjoint("parent", &sys.sandboxes().get("workspace").await.unwrap());
+
+    sys.branchsets()
+        .patch(
+            "own",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"selectedBranch": "x"}})),
+        )
+        .await
+        .unwrap();
+    let bs = sys.wait_branchset("own", "ended", 120, committed).await;
+    assert_eq!(bs.status.as_ref().unwrap().phase, BranchSetPhase::Committed);
+    assert_eq!(sys.exec("workspace", "cat /work/f").1, "X");
+    assert_disjoint("branchset", &bs);
+    let parent = sys.sandboxes().get("workspace").await.unwrap();
+    assert_eq!(parent.status.as_ref().unwrap().commits, 1);
+    assert_disjoint("committed parent", &parent);
+
+    // The winner's process, now the parent's, ends: the exit report.
+    sys.exec("workspace", "touch /work/stop");
+    let parent = sys
+        .wait_sandbox("workspace", "Succeeded", 60, |s| {
+            s.status
+                .as_ref()
+                .is_some_and(|st| st.phase == SandboxPhase::Succeeded)
+        })
+        .await;
+    let st = parent.status.as_ref().unwrap();
+    assert!(
+        st.sandbox_id.is_some() && st.last_commit.is_some(),
+        "{st:#?}"
+    );
+    assert_disjoint("exited parent", &parent);
+    sys.teardown_and_check_clean().await;
+}

@@ -85,6 +85,9 @@ pub enum Error {
     Join(String),
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// A guarded status write lost to another writer (409); re-read and retried.
+    #[error("conflict writing {0}: another writer was first")]
+    Conflict(String),
 }
 
 impl Error {
@@ -110,6 +113,7 @@ impl Error {
             Error::Json(_) => "serialization",
             Error::Join(_) => "task",
             Error::Kube(e) => ramify_runtime::backoff::kube_category(e).unwrap_or("kube_api"),
+            Error::Conflict(_) => "conflict",
         }
     }
 

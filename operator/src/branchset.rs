@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
@@ -16,7 +16,7 @@ use serde_json::json;
 use tracing::{debug, instrument};
 
 use crate::context::Context;
-use crate::error::{Error, Result, is_not_found};
+use crate::error::{Result, is_not_found};
 use crate::plan::{self, Observed};
 
 pub const CONTROLLER: &str = "branchset";
@@ -291,12 +291,12 @@ async fn bind_branch(api: &Api<Sandbox>, sbx: &Sandbox) -> Result<()> {
         cond,
         k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()),
     );
-    let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox",
-                      "status": {"nodeName": node, "conditions": conditions}});
-    api.patch_status(
+    crate::writes::status(
+        api,
         name,
-        &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING).force(),
-        &Patch::Apply(&body),
+        ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING,
+        None,
+        &json!({"nodeName": node, "conditions": conditions}),
     )
     .await?;
     Ok(())
@@ -309,30 +309,17 @@ async fn write_status(
     resource_version: Option<String>,
     status: &ramify_crds::BranchSetStatus,
 ) -> Result<Option<String>> {
-    let body = json!({
-        "apiVersion": ramify_crds::API_VERSION,
-        "kind": "BranchSet",
-        "metadata": {"resourceVersion": resource_version},
-        "status": status,
-    });
     let api: Api<BranchSet> =
         Api::namespaced(ctx.client.clone(), &bs.namespace().unwrap_or_default());
-    let written = crate::writes::within(
-        "branchset status",
-        api.patch_status(
-            &bs.name_any(),
-            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_BRANCHSET).force(),
-            &Patch::Apply(&body),
-        ),
+    let written = crate::writes::status(
+        &api,
+        &bs.name_any(),
+        ramify_crds::MANAGER_OPERATOR_BRANCHSET,
+        resource_version.as_deref(),
+        status,
     )
-    .await;
-    match written {
-        Ok(obj) => Ok(obj.resource_version()),
-        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
-            Err(Error::Conflict(format!("branchset {}", bs.name_any())))
-        }
-        Err(e) => Err(e),
-    }
+    .await?;
+    Ok(written.resource_version())
 }
 
 /// Executes the next released effect, one per reconcile: it is marked `Executing` (a

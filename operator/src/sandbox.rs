@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::core::object::HasStatus;
 use kube::runtime::controller::Action;
@@ -23,7 +23,7 @@ use tracing::instrument;
 
 use crate::capacity::{self, Decision};
 use crate::context::Context;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::nodes;
 
 pub const CONTROLLER: &str = "sandbox";
@@ -184,28 +184,14 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         ),
         Time(Timestamp::now()),
     );
-    let patch = json!({
-        "apiVersion": ramify_crds::API_VERSION,
-        "kind": "Sandbox",
-        "metadata": {"resourceVersion": sbx.resource_version()},
-        "status": {"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()},
-    });
-    let bound = crate::writes::within(
-        "sandbox binding",
-        api.patch_status(
-            &name,
-            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING).force(),
-            &Patch::Apply(&patch),
-        ),
+    crate::writes::status(
+        &api,
+        &name,
+        ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING,
+        sbx.resource_version().as_deref(),
+        &json!({"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()}),
     )
-    .await;
-    match bound {
-        Ok(_) => {}
-        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
-            return Err(Error::Conflict(format!("sandbox {name}")));
-        }
-        Err(e) => return Err(e),
-    }
+    .await?;
     if sbx
         .spec
         .restore_from
@@ -280,15 +266,12 @@ async fn unschedulable(
     if fatal {
         status["phase"] = json!(SandboxPhase::Failed);
     }
-    let patch =
-        json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": status});
-    crate::writes::within(
-        "sandbox scheduling",
-        api.patch_status(
-            &sbx.name_any(),
-            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING).force(),
-            &Patch::Apply(&patch),
-        ),
+    crate::writes::status(
+        api,
+        &sbx.name_any(),
+        ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING,
+        None,
+        &status,
     )
     .await?;
     // Branches wait in their BranchSet's view; an Event each would be an API write

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
@@ -18,7 +18,7 @@ use serde_json::json;
 use tracing::instrument;
 
 use crate::context::Context;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 pub const CONTROLLER: &str = "snapshot";
 
@@ -154,31 +154,18 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
         return Ok(Action::requeue(Duration::from_secs(1)));
     }
     conditions.set_condition(cond, Time(Timestamp::now()));
-    let mut body = json!({
-        "apiVersion": ramify_crds::API_VERSION,
-        "kind": "Snapshot",
-        "metadata": {"resourceVersion": snap.resource_version()},
-        "status": {"conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()},
-    });
+    let mut body = json!({"conditions": conditions.iter().filter(|c| c.type_ == "Scheduled").collect::<Vec<_>>()});
     if let Some(node) = &node {
-        body["status"]["nodeName"] = json!(node);
+        body["nodeName"] = json!(node);
     }
-    let bound = crate::writes::within(
-        "snapshot binding",
-        api.patch_status(
-            &name,
-            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_SNAPSHOT_BINDING).force(),
-            &Patch::Apply(&body),
-        ),
+    crate::writes::status(
+        &api,
+        &name,
+        ramify_crds::MANAGER_OPERATOR_SNAPSHOT_BINDING,
+        snap.resource_version().as_deref(),
+        &body,
     )
-    .await;
-    match bound {
-        Ok(_) => {}
-        Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => {
-            return Err(Error::Conflict(format!("snapshot {name}")));
-        }
-        Err(e) => return Err(e),
-    }
+    .await?;
     Ok(if node.is_some() {
         Action::await_change()
     } else {

@@ -6,10 +6,14 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
+use std::time::Duration;
+
+use kube::api::Api;
 use kube::{Resource, ResourceExt};
 use ramify_crds::{BranchSet, Condition, ConditionStatus, ConditionsExt, Sandbox, Snapshot};
 use serde_json::json;
+
+use crate::status::{StatusWrite, WriteError, apply_status};
 
 /// An object with a status conditions list.
 pub trait Conditioned: Resource<DynamicType = ()> {
@@ -127,7 +131,12 @@ impl Reporter {
     }
 
     /// Writes `condition` on `obj` (server-side apply of that one list entry).
-    pub async fn write<K>(&self, api: &Api<K>, obj: &K, condition: &Condition) -> kube::Result<()>
+    pub async fn write<K>(
+        &self,
+        api: &Api<K>,
+        obj: &K,
+        condition: &Condition,
+    ) -> Result<(), WriteError>
     where
         K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
     {
@@ -135,27 +144,25 @@ impl Reporter {
     }
 }
 
+/// How long writing a report may take.
+pub const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Writes one condition entry of `obj`'s status through `manager`.
 pub async fn write_with<K>(
     api: &Api<K>,
     obj: &K,
     manager: &str,
     condition: &Condition,
-) -> kube::Result<()>
+) -> Result<(), WriteError>
 where
     K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let body = json!({
-        "apiVersion": K::api_version(&()),
-        "kind": K::kind(&()),
-        "status": {"conditions": [condition]},
-    });
-    api.patch_status(
-        &obj.name_any(),
-        &PatchParams::apply(manager).force(),
-        &Patch::Apply(&body),
-    )
-    .await?;
+    let w = StatusWrite {
+        manager,
+        guard: None,
+        timeout: REPORT_TIMEOUT,
+    };
+    apply_status(api, &obj.name_any(), w, &json!({"conditions": [condition]})).await?;
     Ok(())
 }
 

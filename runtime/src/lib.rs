@@ -8,6 +8,7 @@ pub mod http;
 pub mod https;
 pub mod logging;
 pub mod settle;
+pub mod status;
 pub mod tls;
 
 pub use http::{Health, render, serve};

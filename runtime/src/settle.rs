@@ -133,7 +133,8 @@ impl Settler {
                 // Not allowed to write that status at all (the node agent may not
                 // write a BranchSet's): the Event alone reports it. Any other failure
                 // to report goes back to a timed retry, so the report is not lost.
-                if !matches!(&e, kube::Error::Api(s) if s.code == 403) {
+                if !matches!(&e, crate::status::WriteError::Kube(kube::Error::Api(s)) if s.code == 403)
+                {
                     return Err(err);
                 }
             }

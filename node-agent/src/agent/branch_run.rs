@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use ramify_crds::{BranchSet, CommitMode, DiffSummary, Sandbox as SandboxObj, VerdictValue};
 use serde_json::json;
 use tracing::{info, instrument, warn};
@@ -320,18 +320,11 @@ impl Agent {
         name: &str,
         outcome: &serde_json::Value,
     ) -> Result<()> {
-        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": {"branch": outcome}});
+        let body = json!({"branch": outcome});
         let mut attempts = 0;
         loop {
-            let sent = writes::within(
-                "branch outcome",
-                api.patch_status(
-                    name,
-                    &PatchParams::apply(ramify_crds::MANAGER_AGENT_BRANCH).force(),
-                    &Patch::Apply(&body),
-                ),
-            )
-            .await;
+            let sent =
+                writes::status(api, name, ramify_crds::MANAGER_AGENT_BRANCH, None, &body).await;
             match sent {
                 Ok(_) => return Ok(()),
                 // Deleted (lost the race, or its BranchSet ended): nothing to report.

@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::runtime::controller::Action;
 use ramify_crds::{
     BranchSet, BranchSetPhase, ChangeKind, CommitMode, CommitRefusal, FileChange,
@@ -117,23 +117,27 @@ impl Agent {
                 }
             }
         };
+        if mode == CommitMode::Full {
+            // The parent runs in the winner's sandbox now: its `sandboxId` (owned by
+            // the sandbox manager, so written first and through it) says so before
+            // the commit is reported.
+            self.report_parent_sandbox(&parent).await?;
+        }
         let commits = i64::try_from(rec.commits.generation).unwrap_or(i64::MAX);
-        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": {
+        let body = json!({
             "commits": commits,
-            "sandboxId": rec.sandbox_id,
             "lastCommit": {
                 "branchSet": bs.name_any(), "branchSetUid": bs_uid, "winner": winner, "mode": mode,
                 "files": promoted.files, "fileCount": promoted.file_count, "bytes": promoted.bytes,
                 "at": now(),
             },
-        }});
-        writes::within(
-            "commit",
-            sandboxes.patch_status(
-                &parent_name,
-                &PatchParams::apply(ramify_crds::MANAGER_AGENT_COMMIT).force(),
-                &Patch::Apply(&body),
-            ),
+        });
+        writes::status(
+            &sandboxes,
+            &parent_name,
+            ramify_crds::MANAGER_AGENT_COMMIT,
+            None,
+            &body,
         )
         .await?;
         self.event(
@@ -144,6 +148,25 @@ impl Agent {
         )
         .await;
         Ok(Action::await_change())
+    }
+
+    /// Rewrites the sandbox manager's part of the parent's status for the sandbox its
+    /// handle holds now (its phase and `Ready` as they are, the new `sandboxId`).
+    async fn report_parent_sandbox(&self, parent: &SandboxObj) -> Result<()> {
+        let uid = parent.uid().unwrap_or_default();
+        let h = self
+            .handle(&uid)
+            .ok_or_else(|| Error::Invalid("parent sandbox has no local handle".into()))?;
+        let st = parent.status.clone().unwrap_or_default();
+        let ready = st.conditions.iter().find(|c| c.type_ == "Ready");
+        let ready = (
+            ready.is_none_or(|c| c.status == ramify_crds::ConditionStatus::True),
+            ready.map_or("Running", |c| c.reason.as_str()),
+            ready.map(|c| c.message.clone()).unwrap_or_default(),
+        );
+        let g = h.lock().await;
+        self.write_sandbox_status(parent, st.phase, g.as_ref(), ready, json!({}))
+            .await
     }
 
     /// Checks the winner against its fork point and applies it, under the parent's
@@ -295,17 +318,14 @@ impl Agent {
             conflicting_paths: c.paths,
             at: Some(now()),
         };
-        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox",
-                          "status": {"commitRefused": refusal}});
         let api: Api<SandboxObj> =
             Api::namespaced(self.client.clone(), &bs.namespace().unwrap_or_default());
-        writes::within(
-            "commit refusal",
-            api.patch_status(
-                winner_name,
-                &PatchParams::apply(ramify_crds::MANAGER_AGENT_COMMIT).force(),
-                &Patch::Apply(&body),
-            ),
+        writes::status(
+            &api,
+            winner_name,
+            ramify_crds::MANAGER_AGENT_COMMIT,
+            None,
+            &json!({"commitRefused": refusal}),
         )
         .await?;
         self.event(

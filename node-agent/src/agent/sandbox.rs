@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::runtime::controller::Action;
 use ramify_crds::{
     Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj, SandboxPhase, VerdictValue,
@@ -68,14 +68,12 @@ impl Agent {
                 dst.insert(k.clone(), v.clone());
             }
         }
-        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Sandbox", "status": st});
-        writes::within(
-            "status",
-            api.patch_status(
-                &obj.name_any(),
-                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SANDBOX).force(),
-                &Patch::Apply(&body),
-            ),
+        writes::status(
+            &api,
+            &obj.name_any(),
+            ramify_crds::MANAGER_AGENT_SANDBOX,
+            None,
+            &st,
         )
         .await?;
         Ok(())

@@ -7,7 +7,7 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::runtime::controller::Action;
 use ramify_crds::{
     Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj, Snapshot as SnapshotObj,
@@ -197,14 +197,12 @@ impl Agent {
         if want > 0 && reported != Some(ready_i32) {
             let api: Api<SnapshotObj> =
                 Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
-            let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {"warm": {"ready": ready_i32}}});
-            writes::within(
-                "status",
-                api.patch_status(
-                    &snap.name_any(),
-                    &PatchParams::apply(ramify_crds::MANAGER_AGENT_WARM_POOL).force(),
-                    &Patch::Apply(&body),
-                ),
+            writes::status(
+                &api,
+                &snap.name_any(),
+                ramify_crds::MANAGER_AGENT_WARM_POOL,
+                None,
+                &json!({"warm": {"ready": ready_i32}}),
             )
             .await?;
         }
@@ -220,14 +218,12 @@ impl Agent {
     async fn write_snapshot_phase(&self, snap: &SnapshotObj, phase: SnapshotPhase) -> Result<()> {
         let api: Api<SnapshotObj> =
             Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
-        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {"phase": phase}});
-        writes::within(
-            "status",
-            api.patch_status(
-                &snap.name_any(),
-                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SNAPSHOT).force(),
-                &Patch::Apply(&body),
-            ),
+        writes::status(
+            &api,
+            &snap.name_any(),
+            ramify_crds::MANAGER_AGENT_SNAPSHOT,
+            None,
+            &json!({"phase": phase}),
         )
         .await?;
         Ok(())
@@ -253,7 +249,7 @@ impl Agent {
             ),
             now(),
         );
-        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {
+        let body = json!({
             "phase": SnapshotPhase::Ready,
             "sizeBytes": meta.size_bytes,
             "sha256": meta.sha256,
@@ -265,14 +261,13 @@ impl Agent {
             "sourcePauseMillis": pause.map(millis).unwrap_or(i64::try_from(meta.source_pause_millis).unwrap_or(0)),
             "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
-        }});
-        writes::within(
-            "status",
-            api.patch_status(
-                &snap.name_any(),
-                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SNAPSHOT).force(),
-                &Patch::Apply(&body),
-            ),
+        });
+        writes::status(
+            &api,
+            &snap.name_any(),
+            ramify_crds::MANAGER_AGENT_SNAPSHOT,
+            None,
+            &body,
         )
         .await?;
         Ok(())
@@ -297,17 +292,16 @@ impl Agent {
             ),
             now(),
         );
-        let body = json!({"apiVersion": ramify_crds::API_VERSION, "kind": "Snapshot", "status": {
+        let body = json!({
             "phase": SnapshotPhase::Failed,
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
-        }});
-        writes::within(
-            "status",
-            api.patch_status(
-                &snap.name_any(),
-                &PatchParams::apply(ramify_crds::MANAGER_AGENT_SNAPSHOT).force(),
-                &Patch::Apply(&body),
-            ),
+        });
+        writes::status(
+            &api,
+            &snap.name_any(),
+            ramify_crds::MANAGER_AGENT_SNAPSHOT,
+            None,
+            &body,
         )
         .await?;
         self.event(snap, true, reason, message).await;

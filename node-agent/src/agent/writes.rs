@@ -2,14 +2,59 @@
 //! handshakes timing out, 504s) must not hold a reconcile, and with it that sandbox's
 //! next step, for the client's default of minutes. A write that times out fails like
 //! any other and is retried by its caller (a recorded verdict until it is accepted).
+//!
+//! Every status write goes through [`status`]: server-side apply as one field manager
+//! (see `ramify_crds::names` for which fields each owns), optionally guarded by a
+//! resourceVersion; a 409 comes back as [`Error::Conflict`].
 
 use std::future::Future;
 use std::time::Duration;
+
+use kube::Resource;
+use kube::api::Api;
+use ramify_runtime::status::{StatusWrite, WriteError, apply_status};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::error::{Error, Result};
 
 /// How long one status (or finalizer) write may take.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Applies `status` on `name` as `manager` (guarded by `guard`, a resourceVersion);
+/// returns the object as written.
+pub async fn status<K>(
+    api: &Api<K>,
+    name: &str,
+    manager: &str,
+    guard: Option<&str>,
+    status: &impl Serialize,
+) -> Result<K>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let w = StatusWrite {
+        manager,
+        guard,
+        timeout: WRITE_TIMEOUT,
+    };
+    apply_status(api, name, w, status)
+        .await
+        .map_err(Error::from)
+}
+
+impl From<WriteError> for Error {
+    fn from(e: WriteError) -> Self {
+        match e {
+            WriteError::Conflict { what } => Error::Conflict(what),
+            WriteError::Timeout { what, seconds } => Error::Timeout {
+                command: format!("API write: {what}"),
+                seconds,
+            },
+            WriteError::Kube(e) => Error::Kube(e),
+        }
+    }
+}
 
 /// `fut` (an API call), failed with [`Error::Timeout`] past [`WRITE_TIMEOUT`].
 pub async fn within<T>(what: &str, fut: impl Future<Output = kube::Result<T>>) -> Result<T> {
