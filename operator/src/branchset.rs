@@ -214,16 +214,19 @@ async fn label_node(ctx: &Context, bs: &BranchSet, node: &str) -> Result<()> {
         "apiVersion": ramify_crds::API_VERSION, "kind": "BranchSet",
         "metadata": {"name": bs.name_any(), "labels": {LABEL_NODE: node}},
     });
-    crate::writes::within(
-        "node label",
-        api.patch(
-            &bs.name_any(),
-            &PatchParams::apply(ramify_crds::MANAGER_OPERATOR_NODE_LABEL).force(),
-            &Patch::Apply(&body),
-        ),
+    let pp = kube::api::PatchParams::apply(ramify_crds::MANAGER_OPERATOR_NODE_LABEL).force();
+    // A metadata write, not a status one: the same deadline as the status writer's.
+    match tokio::time::timeout(
+        crate::writes::WRITE_TIMEOUT,
+        api.patch(&bs.name_any(), &pp, &kube::api::Patch::Apply(&body)),
     )
-    .await?;
-    Ok(())
+    .await
+    {
+        Ok(r) => r.map(|_| ()).map_err(crate::error::Error::from),
+        Err(_) => Err(crate::error::Error::Timeout(
+            "API write (node label)".into(),
+        )),
+    }
 }
 
 async fn abort_nested(ctx: &Context, ns: &str, parents: &[String]) -> Result<()> {
