@@ -1,6 +1,6 @@
 //! Decided branches stop consuming CPU. A branch whose verdict is recorded (its run
-//! finished and it waits for the set's decision) is frozen with the cgroup freezer
-//! until it is committed or deleted, and so is every loser the moment its BranchSet
+//! finished and it waits for the set's decision) is paused (`runsc pause`, see
+//! [`crate::freezer`]) until it is committed or deleted, and so is every loser the moment its BranchSet
 //! names a winner, before any API call. A frozen branch gives its CPU back to the
 //! node's capacity at once and keeps only the memory it holds.
 
@@ -16,7 +16,7 @@ use super::Agent;
 use crate::cgroup;
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
-use crate::freezer::FreezeLock;
+use crate::freezer::{self, FreezeLock};
 
 /// Where a branch lives on the node (read without its handle: a running command
 /// holds that).
@@ -24,6 +24,8 @@ use crate::freezer::FreezeLock;
 pub struct BranchPlace {
     pub cgroups_path: String,
     pub dir: std::path::PathBuf,
+    /// What `runsc pause`/`resume` address.
+    pub ctx: crate::runsc::SandboxCtx,
     /// `namespace/branchset`.
     pub set: String,
     pub branch: String,
@@ -68,6 +70,7 @@ impl Agent {
                 BranchPlace {
                     cgroups_path: sb.cgroups_path().to_string(),
                     dir: sb.dir.clone(),
+                    ctx: sb.ctx().clone(),
                     set: format!("{}/{}", obj.namespace().unwrap_or_default(), b.branch_set),
                     branch: b.name.clone(),
                     asks: obj.spec.requests(),
@@ -84,6 +87,7 @@ impl Agent {
         {
             place.cgroups_path = sb.cgroups_path().to_string();
             place.dir = sb.dir.clone();
+            place.ctx = sb.ctx().clone();
         }
     }
 
@@ -119,7 +123,7 @@ impl Agent {
             if self.decided.place(uid).is_none() {
                 return Ok(false);
             }
-            cgroup::freeze(&place.cgroups_path).await?;
+            freezer::pause(self.engine.runsc(), &place.ctx, &place.dir).await?;
             Ok::<_, Error>(true)
         }
         .await;
@@ -161,9 +165,7 @@ impl Agent {
         let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
             .await
             .map_err(|e| Error::Join(e.to_string()))??;
-        if cgroup::freezer_state_path(&place.cgroups_path).exists() {
-            cgroup::thaw(&place.cgroups_path)?;
-        }
+        freezer::resume(self.engine.runsc(), &place.ctx, &place.dir).await?;
         if let Ok(mut f) = self.decided.frozen.lock() {
             f.remove(uid);
         }

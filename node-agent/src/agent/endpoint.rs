@@ -186,7 +186,7 @@ impl State {
                     globs.push("/**".into());
                 }
                 // A decided branch is frozen: thawed for the look, frozen again after.
-                let look = match Look::begin(&sb).await {
+                let look = match Look::begin(self.engine.runsc(), &sb).await {
                     Ok(l) => l,
                     Err(e) => return error_response(&e.into()),
                 };
@@ -218,6 +218,7 @@ impl State {
         };
         let upgrade = hyper::upgrade::on(req);
         let id = sb.id.clone();
+        let runsc = self.engine.runsc().clone();
         tokio::spawn(async move {
             match upgrade.await {
                 Ok(up) => {
@@ -225,7 +226,7 @@ impl State {
                         .await;
                     // A decided branch is frozen: thawed for the look (the whole exec),
                     // frozen again after.
-                    match Look::begin(&sb).await {
+                    match Look::begin(&runsc, &sb).await {
                         Ok(look) => {
                             run_exec(ws, cmd).await;
                             if let Err(e) = look.end().await {

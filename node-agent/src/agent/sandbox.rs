@@ -221,8 +221,9 @@ impl Agent {
         let Some(sb) = guard.as_ref() else {
             return Ok(Action::await_change());
         };
-        // A frozen branch runs (it only does not get CPU); asking runsc would wait on it.
-        let running = self.decided.is_frozen(uid) || self.engine.is_running(sb).await?;
+        // By its process (a paused branch still runs): a paused branch that died is
+        // reported as any other.
+        let running = self.engine.is_running(sb).await?;
         let status = obj.status.clone().unwrap_or_default();
         if !running && status.phase == SandboxPhase::Running {
             self.report_exit(obj, sb).await?;

@@ -9,7 +9,6 @@ use tokio::sync::Notify;
 use tracing::warn;
 
 use super::{Engine, LocalSandbox};
-use crate::cgroup;
 use crate::control;
 use crate::error::{Error, Result};
 
@@ -148,7 +147,7 @@ impl WarmPool {
                 let sb = engine
                     .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[])
                     .await?;
-                if let Err(e) = cgroup::freeze(&sb.placed.cgroups_path).await {
+                if let Err(e) = crate::freezer::pause(engine.runsc(), &sb.ctx, &sb.dir).await {
                     engine
                         .destroy_or_report(sb, "freezing it for the warm pool failed")
                         .await;
@@ -287,8 +286,11 @@ impl WarmPool {
                     sb.identity.hostname.clone(),
                 );
                 let r = control::write_identity(&sb.control_dir(), &sb.identity)
-                    .map_err(|e| Error::io("write identity", sb.control_dir(), e))
-                    .and_then(|()| cgroup::thaw(&sb.placed.cgroups_path));
+                    .map_err(|e| Error::io("write identity", sb.control_dir(), e));
+                let r = match r {
+                    Ok(()) => crate::freezer::resume(self.engine.runsc(), &sb.ctx, &sb.dir).await,
+                    Err(e) => Err(e),
+                };
                 if let Err(e) = r {
                     self.engine
                         .destroy_or_report(sb, "handing it out of the warm pool failed")
