@@ -61,8 +61,11 @@ def test_mcp_tools_fork_and_commit(
         command=server_command(),
         # PYTHONPATH: the server imports the same ramify as this test (the e2e harness
         # points it at the repository's sdk/python/src).
-        env={"KUBECONFIG": kubeconfig, "RAMIFY_NAMESPACE": namespace,
-             "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        env={
+            "KUBECONFIG": kubeconfig,
+            "RAMIFY_NAMESPACE": namespace,
+            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        },
     )
     name = unique("mcp")
 
