@@ -16,7 +16,9 @@ use ramify_e2e::system::System;
 /// The SDK's venv (`hack/install-deps.sh` creates it).
 fn venv_bin(tool: &str) -> PathBuf {
     let home = std::env::var_os("HOME").expect("HOME");
-    let p = PathBuf::from(home).join(".cache/ramify/venv/bin").join(tool);
+    let p = PathBuf::from(home)
+        .join(".cache/ramify/venv/bin")
+        .join(tool);
     assert!(
         p.is_file(),
         "{} is missing: run hack/install-deps.sh (it creates the SDK's venv)",
@@ -39,7 +41,11 @@ fn run(tool: &str, args: &[&str], env: &[(&str, String)]) {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("--- {tool} {} ---\n{text}", args.join(" "));
-    assert!(out.status.success(), "{tool} {} failed:\n{text}", args.join(" "));
+    assert!(
+        out.status.success(),
+        "{tool} {} failed:\n{text}",
+        args.join(" ")
+    );
 }
 
 #[tokio::test]
@@ -66,7 +72,15 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
         ),
     ];
     let out = Command::new(venv_bin("python"))
-        .args(["-m", "pytest", "tests", "-x", "-q", "-p", "no:cacheprovider"])
+        .args([
+            "-m",
+            "pytest",
+            "tests",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ])
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .current_dir(repo_root().join("sdk/python"))
         .output()

@@ -151,4 +151,13 @@ def test_mcp_tools_fork_and_commit(
     try:
         asyncio.run(main())
     finally:
+        # The tools made forks and a snapshot of the sandbox; the test removes them.
+        for bs in client.list("branchsets"):
+            if bs["spec"]["source"].get("sandbox") == name or bs["spec"]["source"].get(
+                "snapshot", ""
+            ).startswith(name):
+                ramify.BranchSet(bs["metadata"]["name"], client).delete(wait=True)
+        for snap in client.list("snapshots"):
+            if snap["spec"]["source"]["sandbox"] == name:
+                ramify.Snapshot(snap["metadata"]["name"], client).delete(wait=True)
         ramify.Sandbox(name, client).delete(wait=True)

@@ -121,9 +121,17 @@ class Client:
             raise from_api_exception(e) from None
 
     def delete(self, plural: str, name: str) -> None:
+        """Deletes in the foreground: the object stays (with a deletionTimestamp) until
+        the garbage collector removed what it owns (a BranchSet's branches and snapshot),
+        so waiting for it to be gone waits for those too."""
         try:
             self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, plural, name
+                GROUP,
+                VERSION,
+                self.namespace,
+                plural,
+                name,
+                body=k8s.V1DeleteOptions(propagation_policy="Foreground"),
             )
         except ApiException as e:
             err = from_api_exception(e)
