@@ -109,3 +109,36 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
     }
     sys.teardown_and_check_clean().await;
 }
+
+/// `sdk/python/bench_fork.py` on a real ramify: fork(4) from a warm pool to all
+/// branches Running through the SDK, next to `kubectl apply` + `kubectl wait` of the
+/// same BranchSet. A benchmark, not a test: `--ignored` runs it and prints the figures.
+#[tokio::test]
+#[ignore = "a benchmark: run with --ignored to print the figures"]
+async fn sdk_fork_bench() {
+    let sys = System::start("sdk-bench").await;
+    let _api = sys.start_api();
+    let path = format!(
+        "{}:{}",
+        sys.cp.bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let env = [
+        (
+            "KUBECONFIG",
+            sys.cp.kubeconfig.to_string_lossy().into_owned(),
+        ),
+        ("RAMIFY_NAMESPACE", sys.ns.name.clone()),
+        ("RAMIFY_ROOTFS_CLASS", sys.rootfs_class.clone()),
+        (
+            "PYTHONPATH",
+            repo_root()
+                .join("sdk/python/src")
+                .to_string_lossy()
+                .into_owned(),
+        ),
+        ("PATH", path),
+    ];
+    run("python", &["bench_fork.py", "--runs", "5"], &env);
+    sys.teardown_and_check_clean().await;
+}

@@ -85,24 +85,6 @@ def test_snapshot_warm_pool_fork_verdicts_full_commit(parent: Parent) -> None:
         assert sb.phase == "Running"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ramify.RamifyError,
-    reason="ramify defect (node agent): deleting a Snapshot after a branch from its warm "
-    "pool was Full-committed into the parent kills the parent's runsc sandbox (exec: "
-    "'connecting to control server ... connection refused') while its status stays Running; "
-    "cold Full commits are not affected. strict: this fails once the defect is fixed.",
-)
-def test_parent_survives_deleting_the_snapshot_of_its_warm_winner(parent: Parent) -> None:
-    sb = parent()
-    with sb.snapshot(warm_pool=1, timeout=240) as snap:
-        with snap.fork({"w": "echo w > /work/result"}, timeout=120) as bs:
-            assert bs.wait(timeout=180).winner == "w"
-        assert sb.files.read_text("/work/result") == "w\n"
-    # The parent now runs the winner's state: the snapshot's deletion must not touch it.
-    assert sb.files.read_text("/work/result") == "w\n"
-
-
 def test_paths_commit_promotes_only_the_globs(parent: Parent) -> None:
     sb = parent()
     with sb.fork(
