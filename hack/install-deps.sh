@@ -17,3 +17,4 @@ rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup com
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 if [[ -x "$here/../node-agent/scripts/install-deps.sh" ]]; then "$here/../node-agent/scripts/install-deps.sh"; fi
 echo "install-deps: control plane binaries in $("$here/controlplane/build.sh")" >&2
+echo "install-deps: Python SDK venv in $("$here/python-venv.sh")" >&2

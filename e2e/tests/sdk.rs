@@ -1,0 +1,144 @@
+//! The Python SDK (`sdk/python`) and its MCP server, end to end: pytest drives a real
+//! ramify (the control plane, the operator, a node agent with runsc, and ramify-api
+//! serving `sandboxes/exec` as the aggregated API) through the SDK, which speaks only
+//! the CRDs and the exec endpoint: no kubectl. The suite runs in the venv
+//! `hack/install-deps.sh` makes; it fails loudly when the venv or a package is missing.
+//! `mypy --strict` and `ruff check` run first: the package must stay clean.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use ramify_e2e::repo_root;
+use ramify_e2e::system::System;
+
+/// The SDK's venv (`hack/install-deps.sh` creates it).
+fn venv_bin(tool: &str) -> PathBuf {
+    let home = std::env::var_os("HOME").expect("HOME");
+    let p = PathBuf::from(home)
+        .join(".cache/ramify/venv/bin")
+        .join(tool);
+    assert!(
+        p.is_file(),
+        "{} is missing: run hack/install-deps.sh (it creates the SDK's venv)",
+        p.display()
+    );
+    p
+}
+
+/// Runs `tool args` in `sdk/python`, printing its output; panics unless it succeeds.
+fn run(tool: &str, args: &[&str], env: &[(&str, String)]) {
+    let out = Command::new(venv_bin(tool))
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .current_dir(repo_root().join("sdk/python"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("--- {tool} {} ---\n{text}", args.join(" "));
+    assert!(
+        out.status.success(),
+        "{tool} {} failed:\n{text}",
+        args.join(" ")
+    );
+}
+
+#[tokio::test]
+async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
+    run("mypy", &["--strict", "src", "tests", "bench_fork.py"], &[]);
+    run("ruff", &["check", "."], &[]);
+
+    let sys = System::start("sdk").await;
+    let _api = sys.start_api();
+    let env = [
+        (
+            "RAMIFY_TEST_KUBECONFIG",
+            sys.cp.kubeconfig.to_string_lossy().into_owned(),
+        ),
+        ("RAMIFY_TEST_NAMESPACE", sys.ns.name.clone()),
+        ("RAMIFY_TEST_ROOTFS_CLASS", sys.rootfs_class.clone()),
+        // This checkout's SDK, whichever checkout the venv's editable install names.
+        (
+            "PYTHONPATH",
+            repo_root()
+                .join("sdk/python/src")
+                .to_string_lossy()
+                .into_owned(),
+        ),
+    ];
+    let out = Command::new(venv_bin("python"))
+        .args([
+            "-m",
+            "pytest",
+            "tests",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .current_dir(repo_root().join("sdk/python"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("--- pytest ---\n{text}");
+    assert!(
+        out.status.success(),
+        "the SDK's tests failed:\n{text}\n{}",
+        sys.diagnostics()
+    );
+    // Every test cleaned up after itself (context managers; a BranchSet's snapshot and
+    // branches go with it by garbage collection): nothing is left for the teardown.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sys.objects_left().await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the SDK's tests left objects behind\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sys.teardown_and_check_clean().await;
+}
+
+/// `sdk/python/bench_fork.py` on a real ramify: fork(4) from a warm pool to all
+/// branches Running through the SDK, next to `kubectl apply` + `kubectl wait` of the
+/// same BranchSet. A benchmark, not a test: `--ignored` runs it and prints the figures.
+#[tokio::test]
+#[ignore = "a benchmark: run with --ignored to print the figures"]
+async fn sdk_fork_bench() {
+    let sys = System::start("sdk-bench").await;
+    let _api = sys.start_api();
+    let path = format!(
+        "{}:{}",
+        sys.cp.bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let env = [
+        (
+            "KUBECONFIG",
+            sys.cp.kubeconfig.to_string_lossy().into_owned(),
+        ),
+        ("RAMIFY_NAMESPACE", sys.ns.name.clone()),
+        ("RAMIFY_ROOTFS_CLASS", sys.rootfs_class.clone()),
+        (
+            "PYTHONPATH",
+            repo_root()
+                .join("sdk/python/src")
+                .to_string_lossy()
+                .into_owned(),
+        ),
+        ("PATH", path),
+    ];
+    run("python", &["bench_fork.py", "--runs", "5"], &env);
+    sys.teardown_and_check_clean().await;
+}

@@ -1,0 +1,67 @@
+"""ramify: fork live gVisor sandboxes on Kubernetes from Python.
+
+The synchronous API lives here; :mod:`ramify.aio` has the same names for asyncio.
+"""
+
+from ._client import Client
+from ._exec import ExecResult
+from .branchset import (
+    FIRST_COMMIT_WINS,
+    MANUAL,
+    BranchInfo,
+    BranchSet,
+    CommitInfo,
+    CommitMode,
+    Event,
+    FileChange,
+    Full,
+    Outcome,
+    Paths,
+)
+from .errors import (
+    AlreadyExists,
+    BranchSetFailed,
+    CommitConflict,
+    ExecFailed,
+    Forbidden,
+    Invalid,
+    NotFound,
+    RamifyError,
+    SandboxFailed,
+    SnapshotFailed,
+    Timeout,
+    WrongState,
+)
+from .sandbox import FileInfo, Files, Sandbox, Snapshot
+
+__all__ = [
+    "FIRST_COMMIT_WINS",
+    "MANUAL",
+    "AlreadyExists",
+    "BranchInfo",
+    "BranchSet",
+    "BranchSetFailed",
+    "Client",
+    "CommitConflict",
+    "CommitInfo",
+    "CommitMode",
+    "Event",
+    "ExecFailed",
+    "ExecResult",
+    "FileChange",
+    "FileInfo",
+    "Files",
+    "Forbidden",
+    "Full",
+    "Invalid",
+    "NotFound",
+    "Outcome",
+    "Paths",
+    "RamifyError",
+    "Sandbox",
+    "SandboxFailed",
+    "Snapshot",
+    "SnapshotFailed",
+    "Timeout",
+    "WrongState",
+]

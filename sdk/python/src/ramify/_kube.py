@@ -1,0 +1,16 @@
+"""The official kubernetes client's modules, typed ``Any``: the client is only
+partially annotated, and mypy --strict would otherwise refuse every call into it."""
+
+from typing import Any
+
+import kubernetes.client
+import kubernetes.client.exceptions
+import kubernetes.config
+import kubernetes.stream.ws_client
+import kubernetes.watch
+
+k8s: Any = kubernetes.client
+k8s_config: Any = kubernetes.config
+k8s_watch: Any = kubernetes.watch
+WSClient: Any = kubernetes.stream.ws_client.WSClient
+ApiException: type[Exception] = kubernetes.client.exceptions.ApiException
