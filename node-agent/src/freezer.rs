@@ -7,6 +7,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use crate::cgroup;
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 use crate::runsc::{Runsc, SandboxCtx};
@@ -43,17 +44,41 @@ fn marker(dir: &Path) -> PathBuf {
     dir.join("paused")
 }
 
+/// Whether the kernel reports the sandbox's freezer cgroup FROZEN (or FREEZING).
+fn is_frozen(cgroups_path: &str) -> bool {
+    std::fs::read_to_string(cgroup::freezer_state_path(cgroups_path))
+        .is_ok_and(|s| s.trim() != "THAWED")
+}
+
 /// Whether this agent paused the sandbox whose directory is `dir`.
 pub fn is_paused(dir: &Path) -> bool {
     marker(dir).exists()
 }
 
-/// Stops every task of the sandbox (`runsc pause`: the Sentry stops its tasks at a safe
-/// point). Not the cgroup freezer: on systrap a task frozen inside a seccomp
-/// user-notification loses it (`ENOENT` at the reply), and the Sentry then kills its
-/// stub and dies with SIGSEGV; a frozen warm or decided branch died that way now and
-/// then. Call under the sandbox's [`FreezeLock`].
-pub async fn pause(runsc: &Runsc, ctx: &SandboxCtx, dir: &Path) -> Result<()> {
+/// How deeply a sandbox is stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Depth {
+    /// `runsc pause`: the Sentry stops its tasks at a safe point, and the sandbox
+    /// resumes intact. Its own threads still use a little CPU (about 2% of a core
+    /// each on systrap: 100 paused branches kept 2 cores busy).
+    Pause,
+    /// [`Depth::Pause`], then the cgroup freezer: no CPU at all, but on systrap the
+    /// sandbox may not survive the thaw (a task frozen inside a seccomp
+    /// user-notification loses it, `ENOENT` at the reply, and the Sentry kills its stub
+    /// and dies with SIGSEGV: 40 such cycles broke a busy sandbox). Only for branches
+    /// that are done for good: losers and aborted branches, which wait only for their
+    /// deletion.
+    Freeze,
+}
+
+/// Stops the sandbox as deeply as `depth` says. Call under the sandbox's [`FreezeLock`].
+pub async fn pause(
+    runsc: &Runsc,
+    ctx: &SandboxCtx,
+    dir: &Path,
+    cgroups_path: &str,
+    depth: Depth,
+) -> Result<()> {
     // Marked first: a pause whose mark was lost would never be resumed.
     let m = marker(dir);
     std::fs::write(&m, b"").map_err(|e| Error::io("write", &m, e))?;
@@ -61,14 +86,21 @@ pub async fn pause(runsc: &Runsc, ctx: &SandboxCtx, dir: &Path) -> Result<()> {
         let _ = std::fs::remove_file(&m);
         return Err(e);
     }
-    Ok(())
+    match depth {
+        Depth::Pause => Ok(()),
+        Depth::Freeze => cgroup::freeze(cgroups_path).await,
+    }
 }
 
 /// Lets a paused sandbox run again (nothing to do if it is not paused). Call under the
 /// sandbox's [`FreezeLock`].
-pub async fn resume(runsc: &Runsc, ctx: &SandboxCtx, dir: &Path) -> Result<()> {
+pub async fn resume(runsc: &Runsc, ctx: &SandboxCtx, dir: &Path, cgroups_path: &str) -> Result<()> {
     if !is_paused(dir) {
         return Ok(());
+    }
+    // The reverse order: the Sentry must run to take `runsc resume`.
+    if cgroup::freezer_state_path(cgroups_path).exists() {
+        cgroup::thaw(cgroups_path)?;
     }
     runsc.resume(ctx).await?;
     let m = marker(dir);
@@ -85,7 +117,9 @@ pub struct Look {
     runsc: Runsc,
     ctx: SandboxCtx,
     dir: PathBuf,
+    cgroups_path: String,
     was_paused: bool,
+    depth: Depth,
     _lock: Option<FreezeLock>,
 }
 
@@ -99,14 +133,21 @@ impl Look {
                 .map_err(|e| Error::Join(e.to_string()))??
         };
         let was_paused = is_paused(&dir);
+        let depth = if is_frozen(sb.cgroups_path()) {
+            Depth::Freeze
+        } else {
+            Depth::Pause
+        };
         if was_paused {
-            resume(runsc, sb.ctx(), &dir).await?;
+            resume(runsc, sb.ctx(), &dir, sb.cgroups_path()).await?;
         }
         Ok(Look {
             runsc: runsc.clone(),
             ctx: sb.ctx().clone(),
             dir,
+            cgroups_path: sb.cgroups_path().to_string(),
             was_paused,
+            depth,
             _lock: Some(lock),
         })
     }
@@ -114,7 +155,14 @@ impl Look {
     /// Puts the sandbox back as it was found.
     pub async fn end(mut self) -> Result<()> {
         let r = if self.was_paused && self.dir.exists() {
-            pause(&self.runsc, &self.ctx, &self.dir).await
+            pause(
+                &self.runsc,
+                &self.ctx,
+                &self.dir,
+                &self.cgroups_path,
+                self.depth,
+            )
+            .await
         } else {
             Ok(())
         };

@@ -711,11 +711,17 @@ async fn a_busy_sandbox_survives_many_pauses_and_resumes() {
     let v = h.counter_past(&sb, 0).await;
     let runsc = h.engine.runsc().clone();
     for round in 0..40 {
-        ramify_node_agent::freezer::pause(&runsc, sb.ctx(), &sb.dir)
-            .await
-            .unwrap_or_else(|e| panic!("pause {round}: {e}"));
+        ramify_node_agent::freezer::pause(
+            &runsc,
+            sb.ctx(),
+            &sb.dir,
+            sb.cgroups_path(),
+            ramify_node_agent::freezer::Depth::Pause,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("pause {round}: {e}"));
         assert!(ramify_node_agent::freezer::is_paused(&sb.dir));
-        ramify_node_agent::freezer::resume(&runsc, sb.ctx(), &sb.dir)
+        ramify_node_agent::freezer::resume(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path())
             .await
             .unwrap_or_else(|e| panic!("resume {round}: {e}"));
         assert!(!ramify_node_agent::freezer::is_paused(&sb.dir));

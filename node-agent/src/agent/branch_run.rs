@@ -305,7 +305,7 @@ impl Agent {
         let outcome = recorded.and_then(|r| r.outcome).unwrap_or(decided);
         // Decided: it stops consuming CPU before the API server hears of it.
         if let Some(uid) = obj.uid() {
-            self.freeze_branch(&uid).await;
+            self.freeze_branch(&uid, Self::depth_for(&outcome)).await;
         }
         self.report_outcome(&api, &obj.name_any(), &outcome).await?;
         info!(sandbox = %obj.name_any(), ?verdict, "branch verdict");

@@ -208,7 +208,11 @@ impl Agent {
                 self.admission.release(&winner_uid);
                 self.publish_capacity();
             }
-            _ => self.freeze_branch(&winner_uid).await,
+            // Committed or refused: it waits only for its deletion.
+            _ => {
+                self.freeze_branch(&winner_uid, crate::freezer::Depth::Freeze)
+                    .await
+            }
         }
         applied
     }

@@ -105,9 +105,20 @@ impl Agent {
             .set(i64::try_from(self.decided.count()).unwrap_or(i64::MAX));
     }
 
+    /// The depth for a branch whose outcome is `outcome`: an aborted branch only waits
+    /// for its deletion; one that would commit may still be picked, so it must resume
+    /// intact.
+    pub(super) fn depth_for(outcome: &serde_json::Value) -> freezer::Depth {
+        if outcome.get("verdict").and_then(|v| v.as_str()) == Some("Abort") {
+            freezer::Depth::Freeze
+        } else {
+            freezer::Depth::Pause
+        }
+    }
+
     /// Freezes a decided branch (idempotent) and gives its CPU back to the node. A
     /// failure is logged: the branch then keeps running until it is deleted.
-    pub(super) async fn freeze_branch(&self, uid: &str) {
+    pub(super) async fn freeze_branch(&self, uid: &str, depth: freezer::Depth) {
         if self.decided.is_frozen(uid) {
             return;
         }
@@ -123,7 +134,14 @@ impl Agent {
             if self.decided.place(uid).is_none() {
                 return Ok(false);
             }
-            freezer::pause(self.engine.runsc(), &place.ctx, &place.dir).await?;
+            freezer::pause(
+                self.engine.runsc(),
+                &place.ctx,
+                &place.dir,
+                &place.cgroups_path,
+                depth,
+            )
+            .await?;
             Ok::<_, Error>(true)
         }
         .await;
@@ -165,7 +183,13 @@ impl Agent {
         let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
             .await
             .map_err(|e| Error::Join(e.to_string()))??;
-        freezer::resume(self.engine.runsc(), &place.ctx, &place.dir).await?;
+        freezer::resume(
+            self.engine.runsc(),
+            &place.ctx,
+            &place.dir,
+            &place.cgroups_path,
+        )
+        .await?;
         if let Ok(mut f) = self.decided.frozen.lock() {
             f.remove(uid);
         }
@@ -190,6 +214,11 @@ impl Agent {
                     .collect()
             })
             .unwrap_or_default();
-        futures::future::join_all(losers.iter().map(|u| self.freeze_branch(u))).await;
+        futures::future::join_all(
+            losers
+                .iter()
+                .map(|u| self.freeze_branch(u, freezer::Depth::Freeze)),
+        )
+        .await;
     }
 }

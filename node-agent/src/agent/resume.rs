@@ -73,10 +73,10 @@ impl Agent {
                         self.readopt(obj, &uid);
                         self.remember_branch(&uid, obj, &sb);
                     }
-                    let decided = rec.outcome.is_some();
+                    let decided = rec.outcome.as_ref().map(Self::depth_for);
                     self.insert_handle(&uid, sb);
-                    if decided {
-                        self.freeze_branch(&uid).await;
+                    if let Some(depth) = decided {
+                        self.freeze_branch(&uid, depth).await;
                     }
                 }
                 Some(sb) => {

@@ -278,7 +278,7 @@ impl Agent {
             if let Some(outcome) = recorded {
                 // Decided, but the report did not land (API outage, or a crash in
                 // between): send it again (frozen meanwhile).
-                self.freeze_branch(uid).await;
+                self.freeze_branch(uid, Self::depth_for(&outcome)).await;
                 let api: Api<SandboxObj> =
                     Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
                 self.report_outcome(&api, &obj.name_any(), &outcome).await?;

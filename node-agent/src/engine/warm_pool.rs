@@ -147,7 +147,15 @@ impl WarmPool {
                 let sb = engine
                     .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[])
                     .await?;
-                if let Err(e) = crate::freezer::pause(engine.runsc(), &sb.ctx, &sb.dir).await {
+                if let Err(e) = crate::freezer::pause(
+                    engine.runsc(),
+                    &sb.ctx,
+                    &sb.dir,
+                    &sb.placed.cgroups_path,
+                    crate::freezer::Depth::Pause,
+                )
+                .await
+                {
                     engine
                         .destroy_or_report(sb, "freezing it for the warm pool failed")
                         .await;
@@ -288,7 +296,15 @@ impl WarmPool {
                 let r = control::write_identity(&sb.control_dir(), &sb.identity)
                     .map_err(|e| Error::io("write identity", sb.control_dir(), e));
                 let r = match r {
-                    Ok(()) => crate::freezer::resume(self.engine.runsc(), &sb.ctx, &sb.dir).await,
+                    Ok(()) => {
+                        crate::freezer::resume(
+                            self.engine.runsc(),
+                            &sb.ctx,
+                            &sb.dir,
+                            &sb.placed.cgroups_path,
+                        )
+                        .await
+                    }
                     Err(e) => Err(e),
                 };
                 if let Err(e) = r {
