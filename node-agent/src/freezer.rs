@@ -79,6 +79,14 @@ pub async fn pause(
     cgroups_path: &str,
     depth: Depth,
 ) -> Result<()> {
+    // Paused already (by this agent before it restarted): runsc refuses a second
+    // pause, and the mark must stay; only the depth may grow.
+    if is_paused(dir) {
+        return match depth {
+            Depth::Pause => Ok(()),
+            Depth::Freeze => cgroup::freeze(cgroups_path).await,
+        };
+    }
     // Marked first: a pause whose mark was lost would never be resumed.
     let m = marker(dir);
     std::fs::write(&m, b"").map_err(|e| Error::io("write", &m, e))?;
