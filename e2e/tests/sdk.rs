@@ -31,6 +31,8 @@ fn venv_bin(tool: &str) -> PathBuf {
 fn run(tool: &str, args: &[&str], env: &[(&str, String)]) {
     let out = Command::new(venv_bin(tool))
         .args(args)
+        // This checkout's SDK, whichever checkout the venv's editable install points at.
+        .env("PYTHONPATH", repo_root().join("sdk/python/src"))
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .current_dir(repo_root().join("sdk/python"))
         .output()

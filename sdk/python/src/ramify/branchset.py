@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from ._client import ANNOTATION_ABORT, API_VERSION, Client, Obj, ready_reason
+from ._client import ANNOTATION_ABORT, API_VERSION, LABEL_BRANCHSET, Client, Obj, ready_reason
 from .errors import BranchSetFailed, CommitConflict, NotFound, RamifyError, WrongState
 from .sandbox import Command, Sandbox, argv, env_list
 
@@ -415,10 +416,28 @@ class BranchSet:
                 return
 
     def delete(self, wait: bool = False, timeout: float | None = 120) -> None:
-        """Deletes the set; its branches go with it."""
+        """Deletes the set; its branches go with it. With ``wait``, returns once the set
+        and every branch sandbox are gone (node-side cleanup done)."""
+        # Listed before the delete: the garbage collector may remove the set before its
+        # branches (foreground deletion waits only for dependents it has already seen).
+        branches = (
+            [
+                str(s["metadata"]["name"])
+                for s in self.client.list(
+                    Sandbox.plural, label_selector=f"{LABEL_BRANCHSET}={self.name}"
+                )
+            ]
+            if wait
+            else []
+        )
         self.client.delete(self.plural, self.name)
-        if wait:
-            self.client.wait_gone(self.plural, self.name, timeout)
+        if not wait:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.client.wait_gone(self.plural, self.name, timeout)
+        for b in branches:
+            left = None if deadline is None else max(1.0, deadline - time.monotonic())
+            self.client.wait_gone(Sandbox.plural, b, left)
 
     def __enter__(self) -> BranchSet:
         return self
