@@ -50,8 +50,13 @@ fn run(tool: &str, args: &[&str], env: &[(&str, String)]) {
     );
 }
 
+/// ramify-api registers a cluster-wide APIService: two of them at once (the suite and
+/// the bench, in one test binary) would take each other's registration.
+static ONE_API_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
+    let _one = ONE_API_AT_A_TIME.lock().await;
     run("mypy", &["--strict", "src", "tests", "bench_fork.py"], &[]);
     run("ruff", &["check", "."], &[]);
 
@@ -118,6 +123,7 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
 #[tokio::test]
 #[ignore = "a benchmark: run with --ignored to print the figures"]
 async fn sdk_fork_bench() {
+    let _one = ONE_API_AT_A_TIME.lock().await;
     let sys = System::start("sdk-bench").await;
     let _api = sys.start_api();
     let path = format!(
