@@ -55,3 +55,21 @@ for example in "${examples[@]}"; do
 done
 echo
 echo "demo-check: all $n kubectl ramify examples of README.md succeeded"
+
+# The README's Python example (its "Python" section), as printed, in the SDK's venv
+# (hack/python-venv.sh), against the same demo; it prints the winner then the file.
+py="$(awk '
+  /^## / { in_section = ($0 == "## Python"); next }
+  in_section && /^```python/ { in_block = 1; next }
+  in_block && /^```/ { exit }
+  in_block { print }
+' README.md)"
+[[ -n "$py" ]] || { echo "demo-check: no Python example in README.md" >&2; exit 1; }
+venv="$(hack/python-venv.sh)"
+printf '\n$ python (the README'"'"'s example)\n'
+out="$(PYTHONPATH="$repo/sdk/python/src" "$venv/bin/python" -c "$py")" || {
+  echo "demo-check: FAILED: the README's Python example" >&2; exit 1; }
+printf '%s\n' "$out"
+[[ "$out" == $'fast\nmode=fast' ]] || {
+  echo "demo-check: the README's Python example printed something else than its comments say" >&2; exit 1; }
+echo "demo-check: the README's Python example succeeded"

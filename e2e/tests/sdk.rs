@@ -57,8 +57,12 @@ static ONE_API_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new
 #[tokio::test]
 async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
     let _one = ONE_API_AT_A_TIME.lock().await;
-    run("mypy", &["--strict", "src", "tests", "bench_fork.py"], &[]);
-    run("ruff", &["check", "."], &[]);
+    run(
+        "mypy",
+        &["--strict", "src", "tests", "bench_fork.py", "../../examples"],
+        &[],
+    );
+    run("ruff", &["check", ".", "../../examples"], &[]);
 
     let sys = System::start("sdk").await;
     let _api = sys.start_api();

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -18,12 +18,14 @@ from . import branchset as _bs
 from . import sandbox as _sb
 from ._client import Client
 from ._exec import ExecResult
-from .branchset import Event, Full, Outcome, Paths
+from .branchset import ENDED_EFFECT_STATES, EffectInfo, Effects, Event, Full, Outcome, Paths
 from .sandbox import Command, FileInfo
 
 __all__ = [
     "BranchSet",
     "Client",
+    "EffectInfo",
+    "Effects",
     "Event",
     "ExecResult",
     "Files",
@@ -181,6 +183,14 @@ class BranchSet:
 
     async def abort(self) -> None:
         await asyncio.to_thread(self.sync.abort)
+
+    async def approve(self) -> None:
+        await asyncio.to_thread(self.sync.approve)
+
+    async def wait_effects(
+        self, until: Sequence[str] = ENDED_EFFECT_STATES, timeout: float | None = 120
+    ) -> list[EffectInfo]:
+        return await asyncio.to_thread(self.sync.wait_effects, until, timeout)
 
     async def watch(self, timeout: float | None = None) -> AsyncIterator[Event]:
         """Events as :meth:`ramify.BranchSet.watch` yields them, from a worker thread."""

@@ -39,6 +39,65 @@ CommitMode = Full | Paths
 
 
 @dataclass(frozen=True)
+class Effects:
+    """The effects gate: what happens to the actions branches request by writing
+    ``/run/ramify/effects/NN-name.json`` (``{"kind": ..., "payload": ...}``). Losers'
+    requests are discarded; the winner's run once, in file-name order, after its commit:
+    POSTed to ``webhook`` (with an ``Idempotency-Key``), or each as a Job of
+    ``job_image`` running ``job_command``, or only recorded without either. With
+    ``approval=True`` they wait for :meth:`BranchSet.approve`."""
+
+    approval: bool = False
+    webhook: str | None = None
+    job_image: str | None = None
+    job_command: Sequence[str] = ()
+
+    def spec(self) -> Obj:
+        out: Obj = {"approval": "Required" if self.approval else "None"}
+        if self.webhook is not None and self.job_image is not None:
+            raise RamifyError("give at most one of webhook or job_image", reason="Invalid")
+        if self.webhook is not None:
+            out["executor"] = {"webhook": {"url": self.webhook}}
+        elif self.job_image is not None:
+            job: Obj = {"image": self.job_image}
+            if self.job_command:
+                job["command"] = list(self.job_command)
+            out["executor"] = {"job": job}
+        return out
+
+
+#: Effect states after which nothing more happens to the effect.
+ENDED_EFFECT_STATES = ("Executed", "Failed", "Discarded")
+
+
+@dataclass(frozen=True)
+class EffectInfo:
+    """One requested effect as the gate reports it: ``state`` is ``Held``,
+    ``Discarded``, ``AwaitingApproval``, ``Released``, ``Executing``, ``Executed`` or
+    ``Failed``; ``id`` is ``<branch>/<file name>``."""
+
+    id: str
+    branch: str
+    kind: str
+    payload: str
+    state: str
+    message: str = ""
+    job: str | None = None
+
+    @classmethod
+    def from_status(cls, e: Obj) -> EffectInfo:
+        return cls(
+            id=str(e.get("id", "")),
+            branch=str(e.get("branch", "")),
+            kind=str(e.get("kind", "")),
+            payload=str(e.get("payload", "")),
+            state=str(e.get("state", "")),
+            message=str(e.get("message", "")),
+            job=e.get("job"),
+        )
+
+
+@dataclass(frozen=True)
 class BranchInfo:
     """One branch as the BranchSet's status reports it."""
 
@@ -94,6 +153,7 @@ class Outcome:
     commit: CommitInfo | None
     reason: str = ""
     message: str = ""
+    effects: list[EffectInfo] = field(default_factory=list)
 
     @property
     def committed(self) -> bool:
@@ -137,6 +197,7 @@ def outcome_of(obj: Obj) -> Outcome:
         commit=commit,
         reason=reason,
         message=message,
+        effects=[EffectInfo.from_status(e) for e in st.get("effects") or []],
     )
 
 
@@ -172,6 +233,7 @@ class BranchSet:
         env: Mapping[str, str] | None = None,
         warm_pool: int | None = None,
         retain_losers: bool = False,
+        effects: Effects | None = None,
         name: str | None = None,
         client: Client | None = None,
     ) -> BranchSet:
@@ -185,7 +247,7 @@ class BranchSet:
         ``/run/ramify/verdict``. ``commit=Full()`` (default) or ``Paths([...])``;
         ``policy`` ``FirstCommitWins`` (default) or ``Manual`` (then
         :meth:`commit` picks). ``timeout``: seconds until the set gives up
-        (Exhausted, parent untouched)."""
+        (Exhausted, parent untouched). ``effects``: the :class:`Effects` gate."""
         if (sandbox is None) == (snapshot is None):
             raise RamifyError("give exactly one of sandbox or snapshot", reason="Invalid")
         if (branches is None) == (n is None):
@@ -226,6 +288,8 @@ class BranchSet:
             spec["warmPoolSize"] = warm_pool
         if retain_losers:
             spec["retainLosers"] = True
+        if effects is not None:
+            spec["effects"] = effects.spec()
         # Branch sandboxes are named <set>-<branch> and labelled with the set's name,
         # which a label value limits to 63 characters.
         name = name or f"{source[:40]}-fork-{secrets.token_hex(3)}"
@@ -385,6 +449,36 @@ class BranchSet:
         self.obj = self.client.merge_patch(
             self.plural, self.name, {"metadata": {"annotations": {ANNOTATION_ABORT: "true"}}}
         )
+
+    def approve(self) -> None:
+        """Releases the winner's effects held for approval (sets
+        ``spec.effects.approved``, as ``kubectl ramify approve`` does; it cannot be
+        withdrawn). Then :meth:`wait_effects` for the executor's results."""
+        obj = self.refresh()
+        gate = (obj.get("spec") or {}).get("effects") or {}
+        if gate.get("approval") != "Required":
+            raise WrongState(
+                f"branchset {self.name} has no effects gate that waits for approval",
+                reason="NoApprovalRequired",
+            )
+        self.obj = self.client.merge_patch(
+            self.plural, self.name, {"spec": {"effects": {"approved": True}}}
+        )
+
+    def wait_effects(
+        self, until: Sequence[str] = ENDED_EFFECT_STATES, timeout: float | None = 120
+    ) -> list[EffectInfo]:
+        """Waits until the set ended and every requested effect is in one of the states
+        ``until`` (by default: executed, failed or discarded); returns them."""
+
+        def done(o: Obj) -> bool:
+            st = o.get("status") or {}
+            return st.get("phase") in ENDED_PHASES and all(
+                e.get("state") in until for e in st.get("effects") or []
+            )
+
+        self.obj = self.client.wait_for(self.plural, self.name, done, timeout)
+        return self.outcome().effects
 
     def watch(self, timeout: float | None = None) -> Iterator[Event]:
         """Yields an :class:`Event` for every phase change of the set and of each

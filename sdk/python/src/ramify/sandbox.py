@@ -15,7 +15,7 @@ from ._exec import ExecResult
 from .errors import NotFound, RamifyError, SandboxFailed, SnapshotFailed, Timeout
 
 if TYPE_CHECKING:
-    from .branchset import BranchSet, CommitMode
+    from .branchset import BranchSet, CommitMode, Effects
 
 Command = str | Sequence[str]
 
@@ -233,6 +233,7 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
         warm_pool: int | None = None,
         retain_losers: bool = False,
+        effects: Effects | None = None,
         name: str | None = None,
     ) -> BranchSet:
         """Forks this live sandbox (snapshotting it first); see :meth:`BranchSet.create`."""
@@ -251,6 +252,7 @@ class Sandbox:
             env=env,
             warm_pool=warm_pool,
             retain_losers=retain_losers,
+            effects=effects,
             name=name,
             client=self.client,
         )
