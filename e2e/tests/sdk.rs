@@ -59,7 +59,13 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
     let _one = ONE_API_AT_A_TIME.lock().await;
     run(
         "mypy",
-        &["--strict", "src", "tests", "bench_fork.py", "../../examples"],
+        &[
+            "--strict",
+            "src",
+            "tests",
+            "bench_fork.py",
+            "../../examples",
+        ],
         &[],
     );
     run("ruff", &["check", ".", "../../examples"], &[]);
