@@ -17,6 +17,12 @@ pub const LABEL_BRANCH: &str = "ramify.dev/branch";
 /// runs on (where its branches run and its commit applies). Each node agent watches
 /// only the BranchSets labelled with its own node.
 pub const LABEL_NODE: &str = "ramify.dev/node";
+/// Label on a self-fork's BranchSet and its branch Sandboxes: the Sandbox that forked
+/// itself.
+pub const LABEL_SELF_FORK_OF: &str = "ramify.dev/self-fork-of";
+/// Label on a self-fork's BranchSet and its branch Sandboxes: how deep the fork nests
+/// (1 for a fork of a sandbox that is no self-fork branch).
+pub const LABEL_SELF_FORK_DEPTH: &str = "ramify.dev/self-fork-depth";
 /// Annotation on a BranchSet: `"true"` ends it without a winner (what
 /// `kubectl ramify abort` sets). Ignored once a winner is chosen.
 pub const ANNOTATION_ABORT: &str = "ramify.dev/abort";

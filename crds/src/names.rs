@@ -18,6 +18,7 @@ pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 // |           | restoredFrom, exit, exitCode, conditions[Ready]               |                            |
 // | Sandbox   | branch                                                        | node-agent/branch          |
 // | Sandbox   | commits, lastCommit (parent), commitRefused (winner)          | node-agent/commit          |
+// | Sandbox   | selfFork                                                      | node-agent/self-fork       |
 // | Sandbox   | conditions[Reconciled] / conditions[NodeReconciled]           | operator/errors / node-agent/errors |
 // | Snapshot  | nodeName, conditions[Scheduled]                               | operator/snapshot-binding  |
 // | Snapshot  | phase, sizeBytes, sha256, runscVersion, platform,             | node-agent/snapshot        |
@@ -58,6 +59,8 @@ pub const MANAGER_AGENT_COMMIT: &str = "ramify-node-agent/commit";
 pub const MANAGER_AGENT_ERRORS: &str = "ramify-node-agent/errors";
 /// Node agent: its node's Lease (heartbeat, capacity, platform, endpoint).
 pub const MANAGER_AGENT_LEASE: &str = "ramify-node-agent/lease";
+/// Node agent: a Sandbox's `selfFork` (the requests its workload made from inside).
+pub const MANAGER_AGENT_SELF_FORK: &str = "ramify-node-agent/self-fork";
 /// `kubectl ramify`: what a person changes (a Manual commit's choice, an abort).
 pub const MANAGER_PLUGIN: &str = "kubectl-ramify";
 
@@ -69,6 +72,11 @@ pub fn node_lease_name(node: &str) -> String {
 /// The Sandbox of branch `branch` of BranchSet `branch_set`.
 pub fn branch_sandbox_name(branch_set: &str, branch: &str) -> String {
     format!("{branch_set}-{branch}")
+}
+
+/// The BranchSet serving request `number` of Sandbox `sandbox`'s self-forks.
+pub fn self_fork_name(sandbox: &str, number: i64) -> String {
+    format!("{sandbox}-self-{number}")
 }
 
 #[cfg(test)]

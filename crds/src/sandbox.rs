@@ -80,6 +80,44 @@ pub struct SandboxSpec {
     /// would then be baked into the snapshot image). Off by default.
     #[serde(default)]
     pub allow_snapshot_with_secrets: bool,
+    /// Let the workload fork itself from inside (`/run/ramify/fork`). Off when absent:
+    /// a request from inside is then refused with a message saying so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub self_fork: Option<SelfFork>,
+}
+
+/// What a workload may ask for when it forks itself from inside: it writes
+/// `{"branches": ["a", "b"]}` or `{"count": N}` to `/run/ramify/fork` and waits for
+/// `/run/ramify/fork-result`. ramify snapshots it at that instant and forks a
+/// BranchSet (`<sandbox>-self-<n>`, in the Sandbox's namespace); in each branch the
+/// result names that branch (`{"branch": "b1", "index": 1}`), the first branch that
+/// commits (`/run/ramify/verdict` or its exit) becomes the workspace, memory and all,
+/// and when none commits the original gets `{"winner": null, ...}` and goes on.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SelfFork {
+    /// Most branches one request may ask for.
+    #[serde(default = "default_self_fork_branches")]
+    #[schemars(range(min = 1, max = 16))]
+    pub max_branches: i32,
+    /// How deep forks may nest: 1 lets the sandbox fork, 2 lets its branches fork too.
+    #[serde(default = "default_self_fork_depth")]
+    #[schemars(range(min = 1, max = 4))]
+    pub max_depth: i32,
+    /// Seconds a self-fork may run before it ends without a winner.
+    #[serde(default = "default_self_fork_timeout")]
+    #[schemars(range(min = 10, max = 86400))]
+    pub timeout_seconds: i32,
+}
+
+fn default_self_fork_branches() -> i32 {
+    4
+}
+fn default_self_fork_depth() -> i32 {
+    1
+}
+fn default_self_fork_timeout() -> i32 {
+    600
 }
 
 /// Which administrator-declared root filesystem a sandbox starts from. A Sandbox names
@@ -200,6 +238,9 @@ pub struct BranchRef {
     pub name: String,
     /// Branch index within the BranchSet, from 0.
     pub index: i32,
+    /// The BranchSet is a self-fork: the branch's `/run/ramify/fork-result` names it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub self_fork: bool,
 }
 
 /// Lifecycle phase of a Sandbox.
@@ -268,6 +309,9 @@ pub struct SandboxStatus {
     /// node agent; nothing of it was applied).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub commit_refused: Option<CommitRefusal>,
+    /// The fork the workload asked for from inside (written by the node agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub self_fork: Option<SelfForkStatus>,
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
@@ -276,6 +320,32 @@ pub struct SandboxStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
+}
+
+/// Self-forks of a sandbox, as its node agent accepted them.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SelfForkStatus {
+    /// Requests accepted so far; the next one is number `requests + 1`.
+    #[serde(default)]
+    pub requests: i64,
+    /// The request being served (one at a time: the workload waits for its result).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<SelfForkRequest>,
+}
+
+/// One self-fork request: the operator turns it into BranchSet `branchSet`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SelfForkRequest {
+    /// Its number among this sandbox's requests, from 1.
+    pub number: i64,
+    /// The BranchSet serving it ([`crate::self_fork_name`]).
+    pub branch_set: String,
+    /// Branch names, in order (a count `N` asks for `b0`..`b{N-1}`).
+    pub branches: Vec<String>,
+    /// How deep this fork nests (1: the sandbox is no branch of a self-fork).
+    pub depth: i32,
 }
 
 /// Provenance of a restored sandbox.

@@ -397,7 +397,7 @@ fn ensure_real_dir(p: &Path) -> std::io::Result<()> {
 }
 
 /// Remove whatever is at `p` without following it (a directory with its contents).
-fn remove_entry(p: &Path) -> std::io::Result<()> {
+pub fn remove_entry(p: &Path) -> std::io::Result<()> {
     match fs::symlink_metadata(p) {
         // remove_dir_all does not follow symlinks inside the tree.
         Ok(m) if m.file_type().is_dir() => fs::remove_dir_all(p),
@@ -417,13 +417,20 @@ fn remove_entry(p: &Path) -> std::io::Result<()> {
 /// no longer make the agent (root) overwrite a host file; an `effects` or `identity`
 /// that is not what it should be is replaced, not followed.
 pub fn write_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt as _;
     fs::create_dir_all(dir)?;
     ensure_real_dir(&dir.join(EFFECTS_DIR))?;
     let mut bytes = serde_json::to_vec(id).map_err(std::io::Error::other)?;
     bytes.push(b'\n');
-    let tmp = dir.join(format!(".identity.{}.tmp", uuid::Uuid::new_v4().simple()));
+    write_agent_file(dir, IDENTITY_FILE, &bytes)
+}
+
+/// Writes `name` (a file only the agent writes) in the control directory `dir`
+/// atomically: a fresh temporary file (never following a symlink the workload put
+/// there) renamed over whatever `name` is, a directory the workload made included.
+pub fn write_agent_file(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let tmp = dir.join(format!(".{name}.{}.tmp", uuid::Uuid::new_v4().simple()));
     let written = (|| {
         let mut f = fs::OpenOptions::new()
             .write(true)
@@ -431,9 +438,9 @@ pub fn write_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
-        f.write_all(&bytes)?;
+        f.write_all(bytes)?;
         drop(f);
-        let target = dir.join(IDENTITY_FILE);
+        let target = dir.join(name);
         if fs::symlink_metadata(&target).is_ok_and(|m| m.file_type().is_dir()) {
             fs::remove_dir_all(&target)?;
         }

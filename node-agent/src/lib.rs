@@ -31,6 +31,7 @@ pub mod reaper;
 pub mod rootfs;
 pub mod roots;
 pub mod runsc;
+pub mod self_fork;
 pub mod settings;
 pub mod spec;
 pub mod store;

@@ -226,6 +226,7 @@ mod tests {
                 branch_set: set.into(),
                 name: format!("b{index}"),
                 index,
+                self_fork: false,
             }),
         });
         s

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod nodes;
 pub mod plan;
 pub mod sandbox;
+pub mod self_fork;
 pub mod snapshot;
 pub mod writes;
 

@@ -65,6 +65,7 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         return Ok(Action::await_change());
     }
     if status.node_name.is_some() {
+        crate::self_fork::serve(sbx, ctx).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     }
 

@@ -23,6 +23,7 @@ pub mod registry;
 pub mod resume;
 mod rootfs_class;
 mod sandbox;
+mod self_fork;
 mod snapshot;
 mod start;
 pub mod verdict_watch;
@@ -367,8 +368,10 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         .run(on_branchset, backoff::error_policy("commit"), agent.clone())
         .for_each(|_| futures::future::ready(()));
     let sweep = tokio::spawn(agent.clone().sweep_admission());
+    let self_forks = tokio::spawn(agent.clone().sweep_self_forks());
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);
     sweep.abort();
+    self_forks.abort();
     Ok(())
 }

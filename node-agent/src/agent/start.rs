@@ -103,6 +103,28 @@ impl Agent {
                 }
             },
         };
+        // A self-fork's branch learns which branch it is before it is reported running;
+        // one that cannot be told would wait forever: it fails like a failed restore.
+        let started = match (
+            started,
+            obj.spec
+                .restore_from
+                .as_ref()
+                .and_then(|r| r.branch.as_ref()),
+        ) {
+            (Ok((sb, extra, fg)), Some(branch)) => {
+                match self.announce_self_fork_branch(&sb, branch) {
+                    Ok(()) => Ok((sb, extra, fg)),
+                    Err(e) => {
+                        if let Err(d) = self.engine.destroy(sb).await {
+                            warn!(error = %d, "destroying a branch that could not be told its name failed");
+                        }
+                        Err(e)
+                    }
+                }
+            }
+            (started, _) => started,
+        };
         drop(slot);
         // A warm claim took no slot; any place it still had in the queue goes too.
         self.admission.restores.leave(uid);

@@ -2,10 +2,11 @@
 //! sandboxes restored from it.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::Resource;
+use kube::{Resource, ResourceExt};
 use ramify_crds::{
-    BranchRef, BranchSet, FINALIZER_NODE_CLEANUP, LABEL_BRANCH, LABEL_BRANCHSET, RestoreFrom,
-    Sandbox, SandboxSpec, Snapshot, SnapshotMode, SnapshotSource, SnapshotSpec, WarmPool,
+    BranchRef, BranchSet, FINALIZER_NODE_CLEANUP, LABEL_BRANCH, LABEL_BRANCHSET,
+    LABEL_SELF_FORK_DEPTH, LABEL_SELF_FORK_OF, RestoreFrom, Sandbox, SandboxSpec, Snapshot,
+    SnapshotMode, SnapshotSource, SnapshotSpec, WarmPool,
 };
 
 use super::branch_sandbox_name;
@@ -69,22 +70,32 @@ pub(super) fn branch_sandbox(
                 branch_set: bs_name.clone(),
                 name: branch.to_string(),
                 index: i32::try_from(index).unwrap_or(i32::MAX),
+                self_fork: bs.labels().contains_key(LABEL_SELF_FORK_OF),
             }),
         }),
         node_name: node,
         allow_snapshot_with_secrets: parent.spec.allow_snapshot_with_secrets,
+        // A branch may fork again, within the depth its set's label counts.
+        self_fork: parent.spec.self_fork.clone(),
     };
     let mut sbx = Sandbox::new(&name, spec);
     sbx.metadata = ObjectMeta {
         name: Some(name),
         namespace: bs.metadata.namespace.clone(),
-        labels: Some(
-            [
+        labels: Some({
+            let mut l: std::collections::BTreeMap<String, String> = [
                 (LABEL_BRANCHSET.to_string(), bs_name),
                 (LABEL_BRANCH.to_string(), branch.to_string()),
             ]
-            .into(),
-        ),
+            .into();
+            // A self-fork's branches carry its depth: a branch forking again nests one deeper.
+            for key in [LABEL_SELF_FORK_OF, LABEL_SELF_FORK_DEPTH] {
+                if let Some(v) = bs.labels().get(key) {
+                    l.insert(key.to_string(), v.clone());
+                }
+            }
+            l
+        }),
         owner_references: owner_ref(bs).map(|o| vec![o]),
         // Born with the finalizer: a branch can never run without node-side cleanup.
         finalizers: Some(vec![FINALIZER_NODE_CLEANUP.to_string()]),

@@ -86,6 +86,7 @@ fn branch(name: &str, phase: SandboxPhase, verdict: Option<(VerdictValue, i64)>)
             restore_from: None,
             node_name: None,
             allow_snapshot_with_secrets: false,
+            self_fork: None,
         },
     );
     s.metadata.labels = Some(

@@ -1,0 +1,211 @@
+//! fork() from inside a sandbox (`spec.selfFork`): the workload writes
+//! `/run/ramify/fork` and waits for `/run/ramify/fork-result`; in each branch the call
+//! returns that branch, the first branch that commits becomes the workspace with its
+//! memory, and with no winner the original's call returns and it goes on. Real control
+//! plane, operator, node agent and runsc.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use kube::ResourceExt;
+use ramify_crds::{
+    BranchSetPhase, LABEL_SELF_FORK_DEPTH, LABEL_SELF_FORK_OF, SandboxPhase, self_fork_name,
+};
+use ramify_e2e::system::System;
+
+/// One system at a time: each runs its own operator and agent with busy branches.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The in-sandbox side of the protocol, as a POSIX shell function: `fork JSON` prints
+/// the result once the agent wrote it.
+const FORK_FN: &str = "fork() { rm -f /run/ramify/fork-result; echo \"$1\" > /run/ramify/fork; \
+     while [ ! -s /run/ramify/fork-result ]; do sleep 0.05; done; cat /run/ramify/fork-result; }";
+
+/// Keeps writing the in-memory `$x` to /work/alive: which process the workspace runs
+/// (the original or a branch) shows in a value only that process's memory holds.
+const ALIVE: &str =
+    "while true; do echo \"$x\" > /work/alive.tmp; mv /work/alive.tmp /work/alive; sleep 0.2; done";
+
+fn workload(body: &str) -> String {
+    format!("mkdir -p /work; {FORK_FN}; x=before; {body}; {ALIVE}")
+}
+
+fn with_self_fork(sys: &System, name: &str, script: &str, self_fork: &str) -> String {
+    let mut y = sys.sandbox_with(name, script, "{cpu: 200m, memory: 256Mi}");
+    if !self_fork.is_empty() {
+        y.push_str(&format!("  selfFork: {self_fork}\n"));
+    }
+    y
+}
+
+/// Reads `path` in `sandbox` until `ok` holds (the workload writes it when it gets there).
+async fn read_until(
+    sys: &System,
+    sandbox: &str,
+    path: &str,
+    secs: u64,
+    ok: impl Fn(&str) -> bool,
+) -> String {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let (code, out) = sys.exec(sandbox, &format!("cat {path} 2>/dev/null"));
+        if code == 0 && ok(&out) {
+            return out;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{sandbox}:{path} is {out:?} after {secs}s\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn running(sys: &System, name: &str) {
+    sys.wait_sandbox(name, "Running", 120, |s| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == SandboxPhase::Running)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_workload_forks_itself_four_ways_and_the_winner_becomes_the_workspace_memory_and_all() {
+    let _one = SERIAL.lock().await;
+    let sys = System::start("selffork").await;
+
+    // 1. Four ways; branch 2 commits. The winner's call returned its own branch, and
+    //    after the commit the workspace is that process: its in-memory $x says so.
+    let script = workload(
+        "r=$(fork '{\"count\": 4}'); \
+         case \"$r\" in *'\"branch\"'*) i=$(echo \"$r\" | sed 's/.*\"index\":\\([0-9]*\\).*/\\1/'); x=after-$i; \
+           echo \"branch $i: $r\" > /work/result; \
+           if [ \"$i\" = 2 ]; then echo commit > /run/ramify/verdict; else echo abort > /run/ramify/verdict; fi ;; \
+         *) echo \"original: $r\" > /work/result ;; esac",
+    );
+    sys.apply(&with_self_fork(&sys, "ws", &script, "{maxBranches: 4}"));
+    running(&sys, "ws").await;
+    let bs_name = self_fork_name("ws", 1);
+    let bs = sys
+        .wait_branchset(&bs_name, "Committed", 240, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let st = bs.status.clone().unwrap();
+    assert_eq!(
+        st.phase,
+        BranchSetPhase::Committed,
+        "{st:?}\n{}",
+        sys.diagnostics()
+    );
+    assert_eq!(st.winner.as_deref(), Some("b2"));
+    assert_eq!(st.branch_count, 4);
+    // A real BranchSet of the sandbox: labelled, owned by it.
+    assert_eq!(bs.labels()[LABEL_SELF_FORK_OF], "ws");
+    assert_eq!(bs.labels()[LABEL_SELF_FORK_DEPTH], "1");
+    assert_eq!(bs.owner_references()[0].name, "ws");
+    assert_eq!(bs.spec.source.sandbox.as_deref(), Some("ws"));
+    // The workspace runs the winner: memory set after the fork, in that branch only.
+    let alive = read_until(&sys, "ws", "/work/alive", 60, |v| v == "after-2").await;
+    assert_eq!(alive, "after-2");
+    let result = read_until(&sys, "ws", "/work/result", 10, |v| !v.is_empty()).await;
+    assert!(result.starts_with("branch 2: "), "{result}");
+    assert!(
+        result.contains(&format!("\"branchSet\":\"{bs_name}\"")),
+        "{result}"
+    );
+    // Still the winner a moment later (the loop keeps writing its own $x).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(sys.exec("ws", "cat /work/alive").1, "after-2");
+    // The request is settled: counted, no longer pending; the losers are gone.
+    let ws = sys
+        .wait_sandbox("ws", "selfFork settled", 30, |s| {
+            s.status
+                .as_ref()
+                .and_then(|st| st.self_fork.as_ref())
+                .is_some_and(|f| f.requests == 1 && f.pending.is_none())
+        })
+        .await;
+    assert_eq!(ws.status.unwrap().commits, 1);
+    sys.wait_branches_gone(&bs_name, 60).await;
+    let ev = sys.event("ws", "SelfFork").await;
+    assert!(ev.note.unwrap_or_default().contains("4 ways"));
+
+    // 2. No branch commits: the original's call returns "no winner" and it goes on with
+    //    its own memory (x=before) and files.
+    let script = workload(
+        "r=$(fork '{\"branches\": [\"left\", \"right\"]}'); \
+         case \"$r\" in *'\"branch\"'*) x=branch; echo abort > /run/ramify/verdict ;; \
+         *) echo \"original: $r\" > /work/result ;; esac",
+    );
+    sys.apply(&with_self_fork(&sys, "lone", &script, "{maxBranches: 2}"));
+    running(&sys, "lone").await;
+    let result = read_until(&sys, "lone", "/work/result", 240, |v| {
+        v.starts_with("original")
+    })
+    .await;
+    assert!(result.contains("\"winner\":null"), "{result}");
+    assert!(result.contains("\"phase\":\"Exhausted\""), "{result}");
+    assert_eq!(
+        read_until(&sys, "lone", "/work/alive", 30, |v| !v.is_empty()).await,
+        "before"
+    );
+    let lone = sys.sandboxes().get("lone").await.unwrap();
+    assert_eq!(lone.status.unwrap().commits, 0);
+
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn a_self_fork_is_refused_without_opt_in_beyond_max_branches_and_beyond_max_depth() {
+    let _one = SERIAL.lock().await;
+    let sys = System::start("selffork-limits").await;
+
+    // No spec.selfFork: refused at once, saying how to allow it; nothing is created.
+    let refused = "r=$(fork '{\"count\": 2}'); echo \"$r\" > /work/result";
+    sys.apply(&with_self_fork(&sys, "plain", &workload(refused), ""));
+    // Too many branches for its maxBranches.
+    let many = "r=$(fork '{\"count\": 5}'); echo \"$r\" > /work/result";
+    sys.apply(&with_self_fork(
+        &sys,
+        "greedy",
+        &workload(many),
+        "{maxBranches: 4}",
+    ));
+    // Depth: the branch of a fork tries to fork again with maxDepth 1; it records the
+    // refusal and commits, so the workspace (the winner now) shows it.
+    let deep = "r=$(fork '{\"branches\": [\"deep\"]}'); \
+         case \"$r\" in *'\"branch\"'*) r2=$(fork '{\"count\": 2}'); echo \"nested: $r2\" > /work/result; \
+         echo commit > /run/ramify/verdict ;; *) echo \"original: $r\" > /work/result ;; esac";
+    sys.apply(&with_self_fork(
+        &sys,
+        "nest",
+        &workload(deep),
+        "{maxBranches: 2, maxDepth: 1}",
+    ));
+
+    let plain = read_until(&sys, "plain", "/work/result", 120, |v| !v.is_empty()).await;
+    assert!(plain.contains("\"error\""), "{plain}");
+    assert!(plain.contains("spec.selfFork"), "{plain}");
+    let greedy = read_until(&sys, "greedy", "/work/result", 120, |v| !v.is_empty()).await;
+    assert!(greedy.contains("maxBranches is 4"), "{greedy}");
+    let nest = read_until(&sys, "nest", "/work/result", 240, |v| {
+        v.starts_with("nested")
+    })
+    .await;
+    assert!(nest.contains("maxDepth is 1"), "{nest}");
+    let ev = sys.event("plain", "SelfForkRefused").await;
+    assert!(ev.note.unwrap_or_default().contains("spec.selfFork"));
+    // Refused requests made no BranchSet; the depth test made exactly one.
+    for (sbx, sets) in [("plain", 0), ("greedy", 0), ("nest", 1)] {
+        let lp = kube::api::ListParams::default().labels(&format!("{LABEL_SELF_FORK_OF}={sbx}"));
+        let n = sys.branchsets().list(&lp).await.unwrap().items.len();
+        assert_eq!(n, sets, "BranchSets of {sbx}");
+    }
+    // Both still run and may ask again.
+    for s in ["plain", "greedy"] {
+        assert_eq!(sys.exec(s, "cat /work/alive").1, "before");
+    }
+    sys.teardown_and_check_clean().await;
+}
