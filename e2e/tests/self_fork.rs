@@ -209,3 +209,60 @@ async fn a_self_fork_is_refused_without_opt_in_beyond_max_branches_and_beyond_ma
     }
     sys.teardown_and_check_clean().await;
 }
+
+#[tokio::test]
+async fn a_branch_forks_again_within_max_depth_and_the_nested_winner_becomes_the_workspace() {
+    let _one = SERIAL.lock().await;
+    let sys = System::start("selffork-nest").await;
+    // Two outer branches each fork two inner ones. Only outer "o1"'s inner b1 commits:
+    // it becomes o1 (a Full commit into the branch), then commits o1 into the
+    // workspace. "o2"'s inner branches all abort: its own call returns no winner and
+    // o2 aborts. The inner winner waits for its commit to land (its control directory
+    // becomes o1's: the verdict file is cleared) before deciding for o1.
+    let script = workload(
+        "r=$(fork '{\"branches\": [\"o1\", \"o2\"]}'); \
+         o=$(echo \"$r\" | sed -n 's/.*\"branch\":\"\\([a-z0-9]*\\)\".*/\\1/p'); \
+         r2=$(fork '{\"count\": 2}'); \
+         case \"$r2\" in *'\"branch\"'*) i=$(echo \"$r2\" | sed 's/.*\"index\":\\([0-9]*\\).*/\\1/'); x=$o-inner-$i; \
+           if [ \"$o-$i\" = o1-1 ]; then echo commit > /run/ramify/verdict; \
+             while [ -e /run/ramify/verdict ]; do sleep 0.05; done; echo commit > /run/ramify/verdict; \
+           else echo abort > /run/ramify/verdict; fi ;; \
+         *) x=$o-alone; echo abort > /run/ramify/verdict ;; esac",
+    );
+    sys.apply(&with_self_fork(
+        &sys,
+        "tree",
+        &script,
+        "{maxBranches: 2, maxDepth: 2}",
+    ));
+    running(&sys, "tree").await;
+    let outer = sys
+        .wait_branchset(&self_fork_name("tree", 1), "ended", 300, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let st = outer.status.unwrap();
+    assert_eq!(
+        st.phase,
+        BranchSetPhase::Committed,
+        "{st:?}\n{}",
+        sys.diagnostics()
+    );
+    assert_eq!(st.winner.as_deref(), Some("o1"));
+    let inner_of = |o: &str| {
+        self_fork_name(
+            &ramify_crds::branch_sandbox_name(&self_fork_name("tree", 1), o),
+            1,
+        )
+    };
+    let inner = sys.branchsets().get(&inner_of("o1")).await;
+    // The inner sets went with their branches; while they lived, their depth was 2.
+    if let Ok(inner) = inner {
+        assert_eq!(inner.labels()[LABEL_SELF_FORK_DEPTH], "2");
+    }
+    assert_eq!(
+        read_until(&sys, "tree", "/work/alive", 60, |v| v == "o1-inner-1").await,
+        "o1-inner-1"
+    );
+    sys.teardown_and_check_clean().await;
+}

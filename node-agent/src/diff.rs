@@ -20,13 +20,16 @@ pub struct FileEntry {
 pub type Manifest = BTreeMap<String, FileEntry>;
 
 /// Shell run inside the sandbox: args are the roots. Prints `S <size> <path>` and
-/// `H <sha256> <path>` lines. Paths with a newline or backslash cannot be represented
-/// unambiguously; they are printed as `X` and reported, never guessed at.
+/// `H <sha256> <path>` lines, then `E <files listed>` once every step succeeded. Paths
+/// with a newline or backslash cannot be represented unambiguously; they are printed
+/// as `X` and reported, never guessed at.
 pub const MANIFEST_SCRIPT: &str = r#"L=/tmp/.ramify-manifest.$$
-for r in "$@"; do [ -d "$r" ] || continue; find "$r" -xdev -type f; done > "$L" 2>/dev/null
+: > "$L" || exit 3
+for r in "$@"; do [ -d "$r" ] || continue; find "$r" -xdev -type f >> "$L" 2>/dev/null || { rm -f "$L"; exit 4; }; done
 grep '\\' "$L" | sed 's/^/X /'
 grep -v '\\' "$L" | tr '\n' '\0' | xargs -0 -r stat -c 'S %s %n'
 grep -v '\\' "$L" | tr '\n' '\0' | xargs -0 -r sha256sum | sed 's/^\([0-9a-f]*\)  /H \1 /'
+echo "E $(grep -v '\\' "$L" | wc -l)"
 rm -f "$L""#;
 
 /// Longest path accepted in a manifest (Linux PATH_MAX).
@@ -83,12 +86,22 @@ pub fn parse_manifest(out: &str) -> Result<(Manifest, Vec<String>)> {
             skipped_more += 1;
         }
     };
+    // The end mark counts the files listed: a manifest cut short (an exec that lost its
+    // output, a failed step) would otherwise read as "every file was deleted", and a
+    // commit would delete them in the parent.
+    let (mut listed, mut s_lines, mut h_lines) = (None::<usize>, 0usize, 0usize);
     for line in out.lines() {
         let bad = || Error::Invalid(format!("manifest line not understood: {:?}", shown(line)));
         let (kind, rest) = line.split_once(' ').ok_or_else(bad)?;
         match kind {
             "X" => skip(rest),
+            "E" => listed = Some(rest.trim().parse().map_err(|_| bad())?),
             "S" | "H" => {
+                if kind == "S" {
+                    s_lines += 1;
+                } else {
+                    h_lines += 1;
+                }
                 let (val, path) = rest.split_once(' ').ok_or_else(bad)?;
                 if !path.starts_with('/') {
                     return Err(bad());
@@ -108,6 +121,19 @@ pub fn parse_manifest(out: &str) -> Result<(Manifest, Vec<String>)> {
             }
             _ => return Err(bad()),
         }
+    }
+    match listed {
+        None => {
+            return Err(Error::Invalid(
+                "the sandbox's file manifest ended early (no end mark): not trusted".into(),
+            ));
+        }
+        Some(n) if n != s_lines || n != h_lines => {
+            return Err(Error::Invalid(format!(
+                "the sandbox's file manifest is incomplete: {n} files listed, {s_lines} sized, {h_lines} hashed (files changing while it ran?)"
+            )));
+        }
+        Some(_) => {}
     }
     if skipped_more > 0 {
         skipped.push(format!("... and {skipped_more} more"));
@@ -381,10 +407,10 @@ mod tests {
     #[test]
     fn parse_and_diff() {
         let base = format!(
-            "S 3 /w/a\nH {H1} /w/a\nS 4 /w/b c\nH {H1} /w/b c\nS 1 /w/gone\nH {H1} /w/gone\nS 1 /x/y\nH {H1} /x/y\n"
+            "S 3 /w/a\nH {H1} /w/a\nS 4 /w/b c\nH {H1} /w/b c\nS 1 /w/gone\nH {H1} /w/gone\nS 1 /x/y\nH {H1} /x/y\nE 4\n"
         );
         let now = format!(
-            "S 3 /w/a\nH {H1} /w/a\nS 5 /w/b c\nH {H2} /w/b c\nS 9 /w/new\nH {H2} /w/new\nS 2 /x/y\nH {H2} /x/y\nX /w/we\\ird\n"
+            "S 3 /w/a\nH {H1} /w/a\nS 5 /w/b c\nH {H2} /w/b c\nS 9 /w/new\nH {H2} /w/new\nS 2 /x/y\nH {H2} /x/y\nX /w/we\\ird\nE 4\n"
         );
         let (b, _) = parse_manifest(&base).unwrap();
         let (n, skipped) = parse_manifest(&now).unwrap();
@@ -414,7 +440,33 @@ mod tests {
         assert_eq!(d.bytes(), 14);
         assert!(parse_manifest("S x /a\n").is_err());
         assert!(parse_manifest("H short /a\n").is_err());
-        assert!(parse_manifest("S 1 relative\n").is_err());
+        assert!(parse_manifest("S 1 relative\nE 1\n").is_err());
+    }
+
+    /// What turned a Paths commit into deleting every tracked file of the parent: a
+    /// manifest that came back empty (or cut short) looked like a branch that deleted
+    /// everything. Without its end mark, or with fewer lines than it counts, it is refused.
+    #[test]
+    fn a_manifest_cut_short_is_refused_not_read_as_deletions() {
+        assert!(parse_manifest("").is_err());
+        let full = format!("S 3 /w/a\nH {H1} /w/a\nS 1 /w/b\nH {H1} /w/b\nE 2\n");
+        assert_eq!(parse_manifest(&full).unwrap().0.len(), 2);
+        let cut = format!("S 3 /w/a\nH {H1} /w/a\nS 1 /w/b\n");
+        assert!(
+            parse_manifest(&cut)
+                .unwrap_err()
+                .to_string()
+                .contains("end mark")
+        );
+        let short = format!("S 3 /w/a\nH {H1} /w/a\nS 1 /w/b\nE 2\n");
+        assert!(
+            parse_manifest(&short)
+                .unwrap_err()
+                .to_string()
+                .contains("incomplete")
+        );
+        // An empty root is a real, complete manifest.
+        assert!(parse_manifest("E 0\n").unwrap().0.is_empty());
     }
 
     #[test]
