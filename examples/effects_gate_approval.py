@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         sb.wait_running()
         branches = {
             "v1": branch("v1", "exit 1"),  # its checks fail
-            "v2": branch("v2", "test \"$(cat /work/release)\" = v2"),
+            "v2": branch("v2", 'test "$(cat /work/release)" = v2'),
             "v3": branch("v3", "exit 3"),
         }
         with sb.fork(

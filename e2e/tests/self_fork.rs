@@ -266,3 +266,136 @@ async fn a_branch_forks_again_within_max_depth_and_the_nested_winner_becomes_the
     );
     sys.teardown_and_check_clean().await;
 }
+
+/// The realtime clock in seconds with microseconds, inside a busybox sandbox (its
+/// `date` has no `%N`; `ts` reads gettimeofday).
+const NOW: &str = "now() { echo | ts '%.s' | cut -d' ' -f1; }";
+
+/// The seconds (with microseconds) sandbox `name` wrote to `path`; `None` while the
+/// file is not there yet.
+fn stamp(sys: &System, name: &str, path: &str) -> Option<f64> {
+    let (code, out) = sys.exec(name, &format!("cat {path} 2>/dev/null"));
+    (code == 0).then(|| out.trim().parse().ok()).flatten()
+}
+
+/// A benchmark, not a test (`--ignored` runs it and prints the figures): a self-fork
+/// of 4 from inside (cold: the state is new) until each branch's call has returned,
+/// against the same fork of the same workload through a BranchSet applied from outside
+/// until each branch's command ran. Both read the time inside the sandboxes.
+#[tokio::test]
+#[ignore = "a benchmark: run with --ignored to print the figures"]
+async fn self_fork_bench() {
+    let _one = SERIAL.lock().await;
+    let sys = System::start("selffork-bench").await;
+    let runs = 5;
+    let (mut inside, mut outside) = (Vec::new(), Vec::new());
+    for run in 0..runs {
+        // From inside: t0 just before the request, t1 right after the call returned.
+        let name = format!("in{run}");
+        let script = workload(&format!(
+            "{NOW}; usleep 300000; t0=$(now); r=$(fork '{{\"count\": 4}}'); t1=$(now); \
+             echo $t0 > /work/t0; echo $t1 > /work/t1; echo abort > /run/ramify/verdict"
+        ));
+        sys.apply(&with_self_fork(&sys, &name, &script, "{maxBranches: 4}"));
+        running(&sys, &name).await;
+        let bs = self_fork_name(&name, 1);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let t0 = loop {
+            if let Some(t) = stamp(
+                &sys,
+                &ramify_crds::branch_sandbox_name(&bs, "b0"),
+                "/work/t0",
+            ) {
+                break t;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{bs}: no branch reported\n{}",
+                sys.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let mut last = 0f64;
+        for i in 0..4 {
+            let b = ramify_crds::branch_sandbox_name(&bs, &format!("b{i}"));
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let t1 = loop {
+                if let Some(t) = stamp(&sys, &b, "/work/t1") {
+                    break t;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{b}: no return\n{}",
+                    sys.diagnostics()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            last = last.max(t1);
+        }
+        inside.push((last - t0) * 1000.0);
+        sys.wait_branchset(&bs, "ended", 120, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+        let _ = sys.sandboxes().delete(&name, &Default::default()).await;
+
+        // From outside: the same workload, forked by an applied BranchSet whose branches
+        // record when their command ran; t0 is the host's clock at the apply.
+        let name = format!("out{run}");
+        sys.apply(&sys.sandbox_with(
+            &name,
+            "mkdir -p /work; while true; do sleep 1; done",
+            "{cpu: 200m, memory: 256Mi}",
+        ));
+        running(&sys, &name).await;
+        let set = format!("{name}-set");
+        let branches: String = (0..4)
+            .map(|i| format!("    - {{name: b{i}, run: [\"/bin/sh\", \"-c\", \"{NOW}; now > /work/t1; sleep 100000\"]}}\n"))
+            .collect();
+        let t0 = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        sys.apply(&format!(
+            "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {{name: {set}}}\nspec:\n  source: {{sandbox: {name}}}\n  policy: Manual\n  branches:\n{branches}"
+        ));
+        let mut last = 0f64;
+        for i in 0..4 {
+            let b = ramify_crds::branch_sandbox_name(&set, &format!("b{i}"));
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let t1 = loop {
+                if let Some(t) = stamp(&sys, &b, "/work/t1") {
+                    break t;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{b}: did not run\n{}",
+                    sys.diagnostics()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            last = last.max(t1);
+        }
+        outside.push((last - t0) * 1000.0);
+        let _ = sys.branchsets().delete(&set, &Default::default()).await;
+        sys.wait_branches_gone(&set, 120).await;
+        let _ = sys.sandboxes().delete(&name, &Default::default()).await;
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "self-fork of 4 from inside, request to every branch's return: median {:.0} ms, min {:.0} ms ({runs} runs: {:?})",
+        median(&mut inside),
+        inside[0],
+        inside.iter().map(|v| v.round()).collect::<Vec<_>>()
+    );
+    println!(
+        "the same fork through a BranchSet applied from outside, apply to every branch's command: median {:.0} ms, min {:.0} ms ({runs} runs: {:?})",
+        median(&mut outside),
+        outside[0],
+        outside.iter().map(|v| v.round()).collect::<Vec<_>>()
+    );
+    sys.teardown_and_check_clean().await;
+}

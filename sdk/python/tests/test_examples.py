@@ -69,9 +69,28 @@ def test_effects_gate_example_deploys_only_the_winner_once_after_approval(
     )
     assert "winner: v2" in out, out
     assert "effect v2/01-deploy.json: AwaitingApproval" in out, out
-    assert "effect v1/01-deploy.json: Discarded" in out, out
+    # The losers' requests never run (the gate lists them Discarded, or not at all).
+    assert "v1/01-deploy.json: Executed" not in out and "v3/01-deploy.json: Executed" not in out
     assert "effect v2/01-deploy.json: Executed" in out, out
     assert "webhook received 1 request(s):" in out, out
     assert 'payload={"version": "v2"}' in out, out
     assert "workspace release: v2" in out, out
+    assert not client.exists("sandboxes", name)
+
+
+def test_tree_search_forks_from_inside_and_the_solution_becomes_the_workspace(
+    kubeconfig: str, namespace: str, rootfs_class: str, client: ramify.Client
+) -> None:
+    name = unique("search")
+    out = run_example(
+        "tree_search.py",
+        kubeconfig,
+        namespace,
+        "--rootfs-class",
+        rootfs_class,
+        "--name",
+        name,
+    )
+    assert "solution: 1 +3 *2 +3 = 11" in out, out
+    assert "the workspace made 1 at its own level" in out, out
     assert not client.exists("sandboxes", name)

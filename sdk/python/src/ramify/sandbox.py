@@ -82,11 +82,14 @@ class Sandbox:
         resources: Mapping[str, str | int] | None = None,
         egress: str | Sequence[str | Mapping[str, Any]] | None = None,
         allow_snapshot_with_secrets: bool = False,
+        self_fork: Mapping[str, int] | None = None,
         client: Client | None = None,
     ) -> Sandbox:
         """Creates a Sandbox starting ``command`` on the cluster-declared root file
         system ``rootfs_class`` (a RootfsClass). ``resources`` takes ``cpu``,
-        ``memory`` (Kubernetes quantities) and ``pids``. Returns at once; call
+        ``memory`` (Kubernetes quantities) and ``pids``; ``self_fork`` (for example
+        ``{"maxBranches": 4, "maxDepth": 2}``) lets the workload fork itself from
+        inside (``/run/ramify/fork``). Returns at once; call
         :meth:`wait_running`. Raises :class:`~ramify.errors.Invalid` (message naming
         the field) when the API server refuses the spec."""
         c = client or Client.default()
@@ -102,6 +105,8 @@ class Sandbox:
             spec["network"] = net
         if allow_snapshot_with_secrets:
             spec["allowSnapshotWithSecrets"] = True
+        if self_fork is not None:
+            spec["selfFork"] = dict(self_fork)
         body = {
             "apiVersion": API_VERSION,
             "kind": "Sandbox",
