@@ -18,6 +18,13 @@ name="${RAMIFY_NODE_NAME:-ramify-node}"
 keep=false; [[ "${1:-}" == "--keep" ]] && keep=true
 host="$dir/host"
 run="$(cat "$host/run-dir" 2>/dev/null || echo "/run/ramify-node-$base")"
+# up.sh records what it will change in $host before changing anything: without it there
+# is nothing of this node's to undo (and another kubelet's chains are not ours to remove).
+if [[ ! -d "$host" ]]; then
+  if ! $keep; then rm -rf "$dir"; fi
+  echo "node: not running ($dir)" >&2
+  exit 0
+fi
 failed=0
 warn() { echo "node down: $*" >&2; failed=1; }
 
