@@ -79,10 +79,14 @@ impl RealNode {
         Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
     }
 
-    /// The busybox image reference imported into the node (`imagePullPolicy: Never`).
-    pub fn busybox_image() -> Result<String, HarnessError> {
-        let path = Self::build()?.join("images/busybox.ref");
-        Ok(std::fs::read_to_string(path)?.trim().to_string())
+    /// The busybox image imported into the node (`imagePullPolicy: Never`): its
+    /// reference and its image ID (the config digest a Pod's `imageID` shows).
+    pub fn busybox_image() -> Result<(String, String), HarnessError> {
+        let images = Self::build()?.join("images");
+        let read = |f: &str| -> Result<String, HarnessError> {
+            Ok(std::fs::read_to_string(images.join(f))?.trim().to_string())
+        };
+        Ok((read("busybox.ref")?, read("busybox.id")?))
     }
 
     /// The node directory up.sh uses for this control plane.

@@ -117,7 +117,7 @@ async fn busybox_pod_runs_and_kubectl_logs_and_exec_reach_it() {
     let _one_node = RealNode::exclusive().await;
     let cp = ControlPlane::ensure().expect("control plane");
     let client = cp.client().await.unwrap();
-    let image = RealNode::busybox_image().expect("node images built");
+    let (image, image_id) = RealNode::busybox_image().expect("node images built");
     let sysctls_before = sysctls();
     let mut node = RealNode::start(&cp).await.expect("node Ready");
     eprintln!(
@@ -173,6 +173,15 @@ async fn busybox_pod_runs_and_kubectl_logs_and_exec_reach_it() {
         .as_ref()
         .and_then(|s| s.pod_ip.clone())
         .unwrap_or_default();
+    // The archive built here is what ran (containerd reports its config digest).
+    let status = running
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref());
+    assert_eq!(
+        status.map(|c| c[0].image_id.as_str()),
+        Some(image_id.as_str())
+    );
     assert!(
         ip.starts_with("10.91."),
         "Pod IP {ip} not from the node's CNI subnet"
@@ -246,7 +255,7 @@ async fn node_down_leaves_nothing_behind() {
     let _one_node = RealNode::exclusive().await;
     let cp = ControlPlane::ensure().expect("control plane");
     let client = cp.client().await.unwrap();
-    let image = RealNode::busybox_image().expect("node images built");
+    let (image, _) = RealNode::busybox_image().expect("node images built");
     let dir = RealNode::dir_for(&cp);
     let before = host_state(&dir);
     let mut node = RealNode::start(&cp).await.expect("node Ready");
@@ -345,4 +354,59 @@ async fn down_after_a_failed_up_leaves_nothing_behind() {
         before,
         "the host differs from before up.sh"
     );
+}
+
+/// hack/images/oci-archive.py: the same tree gives the same archive byte for byte, whatever
+/// the files' times and the directory's path; another content gives another digest.
+#[test]
+fn image_archives_are_reproducible() {
+    let root = ramify_e2e::repo_root();
+    let work = root.join(format!(".ramify/oci-archive-test-{}", std::process::id()));
+    let tree = |name: &str, content: &str| {
+        let dir = work.join(name);
+        std::fs::create_dir_all(dir.join("bin")).unwrap();
+        std::fs::create_dir_all(dir.join("etc/empty")).unwrap();
+        std::fs::write(dir.join("bin/tool"), content).unwrap();
+        std::os::unix::fs::symlink("/bin/tool", dir.join("bin/sh")).unwrap();
+        std::fs::hard_link(dir.join("bin/tool"), dir.join("bin/tool2")).unwrap();
+        dir
+    };
+    let pack = |dir: &Path, out: &str| {
+        let out = work.join(out);
+        let run = std::process::Command::new(root.join("hack/images/oci-archive.py"))
+            .arg(dir)
+            .arg("ramify.local/test:1")
+            .arg(&out)
+            .args(["--cmd", "[\"/bin/sh\"]"])
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        (
+            String::from_utf8_lossy(&run.stdout).trim().to_string(),
+            std::fs::read(out).unwrap(),
+        )
+    };
+    let _ = std::fs::remove_dir_all(&work);
+    let first = tree("a", "echo one");
+    let (digest, bytes) = pack(&first, "a.tar");
+    assert!(
+        digest.starts_with("sha256:") && digest.len() == 71,
+        "{digest}"
+    );
+    // Same content elsewhere, other inodes, another mtime.
+    let second = tree("b", "echo one");
+    std::fs::File::options()
+        .write(true)
+        .open(second.join("bin/tool"))
+        .unwrap()
+        .set_modified(std::time::UNIX_EPOCH + Duration::from_secs(123_456_789))
+        .unwrap();
+    assert_eq!(pack(&second, "b.tar"), (digest.clone(), bytes));
+    let third = tree("c", "echo two");
+    assert_ne!(pack(&third, "c.tar").0, digest);
+    std::fs::remove_dir_all(&work).unwrap();
 }

@@ -5,10 +5,11 @@ every mtime fixed, owners 0:0, no build time in the config, so the same director
 the same digest twice.
 
 usage: oci-archive.py ROOTFS_DIR NAME:TAG OUT.tar [--entrypoint ARGS] [--cmd ARGS]
-                      [--env K=V]... [--workdir DIR] [--user USER] [--gzip]
+                      [--env K=V]... [--workdir DIR] [--user USER] [--gzip] [--id-file F]
 ARGS is a JSON array ('["/bin/sh","-c"]') or words split like a shell would.
 NAME must be a full reference (host/path:tag): containerd imports it under that name.
-Prints the manifest digest. Python 3 standard library only.
+Prints the manifest digest; --id-file writes the config digest (the image ID a container
+runtime reports, e.g. a Pod's imageID). Python 3 standard library only.
 """
 
 import argparse
@@ -93,6 +94,7 @@ def main():
     ap.add_argument("--workdir")
     ap.add_argument("--user")
     ap.add_argument("--gzip", action="store_true", help="compress the layer (gzip, mtime 0)")
+    ap.add_argument("--id-file", help="write the config digest (the image ID) here")
     a = ap.parse_args()
     name, sep, tag = a.ref.rpartition(":")
     if not sep or "/" in tag or "/" not in name:
@@ -173,6 +175,9 @@ def main():
             info.size, info.mode, info.mtime = len(files[fname]), 0o644, EPOCH
             tar.addfile(info, io.BytesIO(files[fname]))
     os.replace(tmp, a.out)
+    if a.id_file:
+        with open(a.id_file, "w") as f:
+            f.write(blob(config_blob) + "\n")
     print(blob(manifest_blob))
 
 

@@ -5,6 +5,7 @@
 #   containerd, containerd-shim-runc-v2, ctr   containerd 2.x from the Go module proxy
 #   images/pause.tar           the Pod sandbox image: a static C pause (hack/images/pause.c)
 #   images/busybox.tar         Debian's busybox-static with its applet links, for test Pods
+#   images/NAME.{ref,digest,id}  each image's reference, manifest digest and image ID
 # The images are OCI archives made by hack/images/oci-archive.py (reproducible: the same
 # inputs give the same digest). runc and the CNI plugins come from Debian
 # (hack/install-deps.sh). A second run with everything present returns at once.
@@ -50,7 +51,7 @@ mkdir -p "$work/pause"
 # No paths or build ids in the binary: the same source gives the same image digest.
 gcc -static -Os -s -Wl,--build-id=none -ffile-prefix-map="$repo"=. -o "$work/pause/pause" "$repo/hack/images/pause.c"
 python3 "$repo/hack/images/oci-archive.py" "$work/pause" ramify.local/pause:1 "$out/images/pause.tar" \
-  --entrypoint '["/pause"]' >"$out/images/pause.digest"
+  --entrypoint '["/pause"]' --id-file "$out/images/pause.id" >"$out/images/pause.digest"
 mkdir -p "$work/busybox/bin" "$work/busybox/etc" "$work/busybox/tmp"
 cp "$busybox" "$work/busybox/bin/busybox"
 chmod 1777 "$work/busybox/tmp"
@@ -61,7 +62,7 @@ chmod 1777 "$work/busybox/tmp"
 done
 busybox_version="$("$busybox" | head -1 | sed -n 's/^BusyBox v\([0-9.]*\).*/\1/p')"
 python3 "$repo/hack/images/oci-archive.py" "$work/busybox" "ramify.local/busybox:$busybox_version" \
-  "$out/images/busybox.tar" --cmd '["/bin/sh"]' >"$out/images/busybox.digest"
+  "$out/images/busybox.tar" --cmd '["/bin/sh"]' --id-file "$out/images/busybox.id" >"$out/images/busybox.digest"
 echo "ramify.local/pause:1" >"$out/images/pause.ref"
 echo "ramify.local/busybox:$busybox_version" >"$out/images/busybox.ref"
 
