@@ -5,7 +5,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 need_apt=()
-for pkg in runsc runc gcc libc6-dev containernetworking-plugins busybox-static iptables iproute2 util-linux openssl curl jq; do
+for pkg in runsc runc gcc libc6-dev containernetworking-plugins busybox-static python3 iptables iproute2 procps util-linux openssl curl jq; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -41,7 +41,7 @@ die() { echo "node: FAILED: $*" >&2; exit 1; }
 bin="$("$here/build.sh")" || die "building the node failed"
 cp_bin="$("$repo/hack/controlplane/build.sh")" || die "building the control plane failed"
 kubectl=("$cp_bin/kubectl" --kubeconfig "$cp_dir/kubeconfig")
-for tool in runc iptables ip6tables ip jq openssl; do
+for tool in runc iptables ip6tables ip sysctl curl openssl; do
   command -v "$tool" >/dev/null || die "$tool missing: run hack/install-deps.sh"
 done
 cni_bin=/usr/lib/cni
