@@ -271,6 +271,11 @@ pub fn host_state(node_dir: &Path) -> Vec<String> {
             out.push(format!("directory {d}"));
         }
     }
+    for e in std::fs::read_dir("/run").into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with("ramify-node-") {
+            out.push(format!("directory {}", e.path().display()));
+        }
+    }
     if node_dir.exists() {
         out.push(format!("directory {dir}"));
     }

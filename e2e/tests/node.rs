@@ -263,6 +263,7 @@ async fn node_down_leaves_nothing_behind() {
         "iptables -t filter -A INPUT -j KUBE-FIREWALL",
         "lo address",
         "link rmynode0",
+        "directory /run/ramify-node-",
         "mount ",
         "process ",
     ] {
@@ -290,6 +291,11 @@ async fn node_down_leaves_nothing_behind() {
     eprintln!("down.sh took {:.1} s", started.elapsed().as_secs_f64());
     let after = host_state(&dir);
     assert_eq!(after, before, "the host differs from before up.sh");
+    let nodes: Api<Node> = Api::all(client.clone());
+    assert!(
+        nodes.get_opt(&node.name).await.unwrap().is_none(),
+        "the Node object is left"
+    );
     for pid in &pids {
         assert!(
             !Path::new("/proc").join(pid).exists(),
