@@ -32,7 +32,8 @@ hack/helm/build.sh >/dev/null
 current_runsc="$(hack/runsc/build.sh)"
 
 step "control plane (etcd + kube-apiserver + kube-controller-manager + kube-scheduler)"
-trap 'hack/controlplane/down.sh || true' EXIT
+# The real node first (its tests stop it; this is for a run cut short), then the plane.
+trap 'hack/node/down.sh || true; hack/controlplane/down.sh || true' EXIT
 hack/controlplane/up.sh >/dev/null
 
 step "cargo build --bins (the end-to-end tests run the real binaries)"

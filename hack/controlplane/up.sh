@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Starts a real Kubernetes control plane on loopback: etcd, kube-apiserver,
 # kube-controller-manager (garbage collection, namespace deletion, service accounts)
-# and kube-scheduler, with freshly generated certificates. Writes
+# and kube-scheduler, with freshly generated certificates. Node,RBAC authorization and a
+# kubelet client certificate, so a kubelet (hack/node/up.sh) can join and
+# `kubectl logs/exec` reach it (the node's InternalIP first: its name resolves nowhere). Writes
 #   $RAMIFY_CP_DIR/kubeconfig        (admin, group system:masters)
 #   $RAMIFY_CP_DIR/env               (KUBECONFIG=..., PATH with kubectl)
 # and returns once /readyz answers. Re-running it while the plane is healthy (and
@@ -39,7 +41,7 @@ apiserver_args=(
   --service-account-issuer https://kubernetes.default.svc
   --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key"
   --service-cluster-ip-range 10.0.0.0/24 --allow-privileged=true
-  --authorization-mode RBAC --cert-dir "$dir/apiserver-certs"
+  --authorization-mode Node,RBAC --cert-dir "$dir/apiserver-certs"
   --requestheader-client-ca-file "$pki/front-proxy-ca.crt"
   --requestheader-allowed-names front-proxy-client
   --requestheader-username-headers X-Remote-User
@@ -49,6 +51,9 @@ apiserver_args=(
   --proxy-client-cert-file "$pki/front-proxy-client.crt"
   --proxy-client-key-file "$pki/front-proxy-client.key"
   --enable-aggregator-routing=true
+  --kubelet-client-certificate "$pki/apiserver-kubelet-client.crt"
+  --kubelet-client-key "$pki/apiserver-kubelet-client.key"
+  --kubelet-preferred-address-types InternalIP,Hostname
 )
 args_stamp="$(printf '%s\n' "${apiserver_args[@]}" | sha256sum | cut -c1-16)"
 
@@ -94,6 +99,12 @@ if [[ ! -f "$pki/front-proxy-client.crt" ]]; then
   openssl req -x509 -newkey rsa:2048 -nodes -keyout "$pki/front-proxy-ca.key" -out "$pki/front-proxy-ca.crt" \
     -days 30 -subj "/CN=ramify-test-front-proxy-ca" 2>/dev/null
   gen_cert front-proxy-client front-proxy-client "" "" front-proxy-ca
+fi
+
+# What the API server presents to kubelets (logs, exec, port-forward): bound below to
+# system:kubelet-api-admin, which a kubelet's webhook authorization checks.
+if [[ ! -f "$pki/apiserver-kubelet-client.crt" ]]; then
+  gen_cert apiserver-kubelet-client kube-apiserver-kubelet-client ""
 fi
 
 kubeconfig() { # file user
@@ -161,6 +172,14 @@ wait_for etcd 30 curl -sf "http://127.0.0.1:$etcd_port/health"
 log "starting kube-apiserver on https://127.0.0.1:$api_port"
 start kube-apiserver "$bin/kube-apiserver" "${apiserver_args[@]}"
 wait_for kube-apiserver 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get --raw /readyz
+"$bin/kubectl" --kubeconfig "$dir/kubeconfig" apply -f - >/dev/null <<EOF || die "binding the kubelet client failed"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "kube-apiserver:kubelet-client"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:kubelet-api-admin"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: kube-apiserver-kubelet-client}
+EOF
 echo "$args_stamp" >"$dir/run/kube-apiserver.args"
 
 log "starting kube-controller-manager and kube-scheduler"

@@ -1,0 +1,30 @@
+/* The Pod sandbox's pause process: PID 1 of the Pod, it holds the namespaces open,
+ * reaps any orphan re-parented to it and exits 0 on SIGINT/SIGTERM. Built static so it is
+ * the only file of its image. */
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static void stop(int sig) {
+  (void)sig;
+  _exit(0);
+}
+
+static void reap(int sig) {
+  (void)sig;
+  while (waitpid(-1, NULL, WNOHANG) > 0) {
+  }
+}
+
+int main(void) {
+  struct sigaction sa = {0};
+  sa.sa_handler = stop;
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  sa.sa_handler = reap;
+  sa.sa_flags = SA_NOCLDSTOP;
+  sigaction(SIGCHLD, &sa, NULL);
+  for (;;) pause();
+  return 1;
+}
