@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs everything the demo and the tests need on a fresh Debian machine with Go and
 # Rust present: Debian packages (runsc, CNI plugins, busybox for test rootfs, ...),
-# rustfmt/clippy, and the Go-built control plane (cached by version).
+# rustfmt/clippy, the Go-built control plane, test registry and crane (cached by version),
+# and the debootstrap rootfs of the workspace test image (cached by package list).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 need_apt=()
-for pkg in runsc containernetworking-plugins busybox-static iptables iproute2 util-linux openssl curl jq; do
+for pkg in runsc containernetworking-plugins busybox-static debootstrap iptables iproute2 util-linux openssl curl jq; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then
@@ -17,4 +18,6 @@ rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup com
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 if [[ -x "$here/../node-agent/scripts/install-deps.sh" ]]; then "$here/../node-agent/scripts/install-deps.sh"; fi
 echo "install-deps: control plane binaries in $("$here/controlplane/build.sh")" >&2
+echo "install-deps: registry and crane in $("$here/registry/build.sh")" >&2
+echo "install-deps: workspace image rootfs in $("$here/images/debootstrap.sh")" >&2
 echo "install-deps: Python SDK venv in $("$here/python-venv.sh")" >&2
