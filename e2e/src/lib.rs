@@ -6,6 +6,7 @@
 //! says why and the test fails; it never skips.
 
 pub mod access;
+pub mod registry;
 pub mod system;
 
 use std::path::{Path, PathBuf};
