@@ -105,6 +105,46 @@ fn layer_entries(
     Ok(out)
 }
 
+/// Runs python3 `script` on an image's flattened filesystem (`crane export`, which
+/// applies whiteouts, pulled with the credentials) with `arg`; returns its stdout.
+fn on_export(reg: &Registry, reference: &str, script: &str, arg: &str) -> Result<String> {
+    let scratch = tempdir("export")?;
+    let tar = scratch.join("fs.tar");
+    let status = reg
+        .crane_authed()
+        .args(["export", reference])
+        .arg(&tar)
+        .status()?;
+    ensure!(status.success(), "crane export {reference} failed");
+    let out = output(
+        Command::new("python3")
+            .args(["-c", script])
+            .arg(&tar)
+            .arg(arg),
+    )?;
+    ensure!(
+        out.status.success(),
+        "{reference}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The content of one file of an image's flattened filesystem.
+fn exported_file(reg: &Registry, reference: &str, path: &str) -> Result<String> {
+    let read = "import sys, tarfile\nwith tarfile.open(sys.argv[1]) as t:\n    sys.stdout.write(t.extractfile(sys.argv[2]).read().decode())";
+    on_export(reg, reference, read, path)
+}
+
+/// The paths under `prefix` in an image's flattened filesystem, sorted.
+fn exported_names(reg: &Registry, reference: &str, prefix: &str) -> Result<Vec<String>> {
+    let list = "import sys, tarfile\nwith tarfile.open(sys.argv[1]) as t:\n    print('\\n'.join(sorted(n for n in t.getnames() if n.startswith(sys.argv[2]))))";
+    Ok(on_export(reg, reference, list, prefix)?
+        .lines()
+        .map(str::to_string)
+        .collect())
+}
+
 fn manifest(reg: &Registry, reference: &str) -> Result<serde_json::Value> {
     json(&ok(reg.crane_authed().args(["manifest", reference]))?)
 }
@@ -186,6 +226,18 @@ fn anonymous_pull_of_busybox_gives_the_built_digest_and_config() -> Result<()> {
     );
     let marker = layer_entries(&reg, &busybox.reference, &layers[1], &scratch)?;
     assert_eq!(marker, etc_marker("etc/ramify-image", "busybox v1\n"));
+    assert_eq!(
+        exported_file(&reg, &busybox.reference, "etc/ramify-image")?,
+        "busybox v1\n"
+    );
+    assert_eq!(
+        exported_file(
+            &reg,
+            &reg.image("private/busybox:1")?.reference,
+            "etc/ramify-image"
+        )?,
+        "private busybox v1\n"
+    );
     Ok(())
 }
 
@@ -399,6 +451,15 @@ fn whiteout_and_hostile_layers_hold_exactly_the_intended_entries() -> Result<()>
             ],
         ]
     );
+    // What a correct unpacker makes of them (crane's flattening as the reference).
+    assert_eq!(
+        exported_names(&reg, &reg.image("whiteout:1")?.reference, "data")?,
+        ["data", "data/keep.txt"]
+    );
+    assert_eq!(
+        exported_names(&reg, &reg.image("whiteout:1")?.reference, "opaque")?,
+        ["opaque", "opaque/new.txt"]
+    );
     assert_eq!(
         layers_of("hostile/dotdot:1")?,
         vec![vec![
@@ -454,6 +515,65 @@ fn whiteout_and_hostile_layers_hold_exactly_the_intended_entries() -> Result<()>
             ),
         ]]
     );
+    Ok(())
+}
+
+/// up.sh and down.sh on a registry of their own (next to the shared one): it answers,
+/// down.sh stops both processes by pid and removes the directory, and a second down.sh
+/// is a no-op.
+#[test]
+fn up_and_down_leave_nothing_running() -> Result<()> {
+    let (port, _) = Registry::placement();
+    let port = port + 10;
+    let dir = tempdir("updown")?;
+    let state = dir.join("registry");
+    let env = |cmd: &mut Command| {
+        cmd.env("RAMIFY_REGISTRY_DIR", &state)
+            .env("RAMIFY_REGISTRY_PORT", port.to_string());
+    };
+    let root = ramify_e2e::repo_root();
+    let mut up = Command::new(root.join("hack/registry/up.sh"));
+    env(&mut up);
+    let addr = ok(&mut up)?;
+    assert_eq!(addr, format!("127.0.0.1:{port}"));
+    assert_eq!(http_status(&format!("http://{addr}/v2/"), None)?.0, 401);
+    let pids: Vec<String> = ["regfront", "registry"]
+        .iter()
+        .map(|n| {
+            std::fs::read_to_string(state.join(format!("run/{n}.pid")))
+                .map(|p| p.trim().to_string())
+        })
+        .collect::<std::io::Result<_>>()?;
+    // Up again while healthy: the same processes.
+    let mut again = Command::new(root.join("hack/registry/up.sh"));
+    env(&mut again);
+    ok(&mut again)?;
+    assert_eq!(
+        std::fs::read_to_string(state.join("run/regfront.pid"))?.trim(),
+        pids[0]
+    );
+    for _ in 0..2 {
+        let mut down = Command::new(root.join("hack/registry/down.sh"));
+        env(&mut down);
+        ok(&mut down)?;
+        for pid in &pids {
+            assert!(
+                !Path::new(&format!("/proc/{pid}")).exists(),
+                "pid {pid} still running"
+            );
+        }
+        assert!(!state.exists(), "down.sh left {}", state.display());
+        let refused = output(Command::new("curl").args([
+            "-s",
+            "--max-time",
+            "2",
+            &format!("http://{addr}/v2/"),
+        ]))?;
+        assert!(
+            !refused.status.success(),
+            "something still answers on {addr}"
+        );
+    }
     Ok(())
 }
 
@@ -553,6 +673,14 @@ fn moving_a_tag_keeps_the_old_digest_pullable() -> Result<()> {
     let scratch = tempdir("moving")?;
     let top = layer_entries(&reg, &after.reference, &layer_digests(&m)[1], &scratch)?;
     assert!(top.iter().any(|e| e.0 == "etc/ramify-v2"), "{top:?}");
+    assert_eq!(
+        exported_file(&reg, &after.reference, "etc/ramify-image")?,
+        "busybox v2\n"
+    );
+    assert_eq!(
+        exported_file(&reg, &before.by_digest(), "etc/ramify-image")?,
+        "busybox v1\n"
+    );
     Ok(())
 }
 
