@@ -53,7 +53,8 @@ if [[ ! -f "$built/layouts.json" ]]; then
   layouts "$tmp" >&2
   # Layouts of other keys (older scripts) unused for a week are stale.
   find "$cache" -maxdepth 1 -name 'images-*' ! -name "images-$key*" -mtime +7 -exec rm -rf {} + 2>/dev/null || true
-  mv "$tmp" "$built"
+  # Another checkout may have finished the same key first: its copy is as good.
+  mv -T "$tmp" "$built" 2>/dev/null || [[ -f "$built/layouts.json" ]] || die "cannot move the layouts to $built"
 fi
 
 [[ -f "$dir/addr" ]] || die "no registry running for $dir (start hack/registry/up.sh first)"

@@ -2,13 +2,14 @@
 # Builds the workspace image's root filesystem once: Debian bookworm minbase plus the
 # packages below, by debootstrap from the mirror apt uses, tarred (numeric owners) to
 #   ${RAMIFY_CACHE:-~/.cache/ramify}/debootstrap-<key>/rootfs.tar
-# and prints that path. The key hashes the suite, variant, package list, mirror and this
-# script, so a second run returns at once. Needs root (debootstrap chroots).
+# and prints that path. The key hashes the suite, variant, package list, mirror and
+# RECIPE (bump it when what this script does to the tree changes), so a second run
+# returns at once. Needs root (debootstrap chroots).
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SUITE=bookworm
 VARIANT=minbase
 PACKAGES=python3,sqlite3
+RECIPE=1
 # The mirror apt already uses (no internet mirror hard-coded): the first Debian
 # archive URI of the sources lists.
 mirror="${RAMIFY_DEBIAN_MIRROR:-}"
@@ -19,7 +20,7 @@ fi
 [[ -n "$mirror" ]] || { echo "debootstrap: no Debian mirror in /etc/apt/sources.list*; set RAMIFY_DEBIAN_MIRROR" >&2; exit 1; }
 command -v debootstrap >/dev/null || { echo "debootstrap: not installed (hack/install-deps.sh installs it)" >&2; exit 1; }
 cache="${RAMIFY_CACHE:-$HOME/.cache/ramify}"
-key="$(printf '%s\n' "$SUITE" "$VARIANT" "$PACKAGES" "$mirror" | cat - "$here/debootstrap.sh" | sha256sum | cut -c1-16)"
+key="$(printf '%s\n' "$SUITE" "$VARIANT" "$PACKAGES" "$mirror" "$RECIPE" | sha256sum | cut -c1-16)"
 out="$cache/debootstrap-$SUITE-$key"
 if [[ -f "$out/rootfs.tar" ]]; then echo "$out/rootfs.tar"; exit 0; fi
 mkdir -p "$out"

@@ -124,7 +124,7 @@ func (f *front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	p := r.URL.Path
 	// The path decides whether credentials are needed, so it must mean exactly what
 	// the registry will read: no escaped characters, no dot segments.
-	if r.URL.RawPath != "" || path.Clean(p) != strings.TrimSuffix(p, "/") && p != "/v2/" {
+	if r.URL.RawPath != "" || path.Clean(p) != strings.TrimSuffix(p, "/") {
 		writeError(w, http.StatusBadRequest, "NAME_INVALID", "non-canonical request path")
 		return
 	}
@@ -144,8 +144,9 @@ func (f *front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // needsAuth: the protected repositories, the catalog (it lists them), and the base
 // endpoint /v2/, which answers 401 with the Basic challenge to anonymous callers as
-// Docker Hub does, so clients learn the scheme before they pull (anonymous pulls of
-// public repositories still work: those paths need no credentials).
+// Docker Hub does, so clients learn the scheme before they pull: oci-client, for one,
+// sends Basic credentials only after /v2/ challenged it. Anonymous pulls of public
+// repositories still work: their paths need no credentials.
 func (f *front) needsAuth(p string) bool {
 	if p == "/v2" || p == "/v2/" || strings.HasPrefix(p, "/v2/_catalog") {
 		return true
