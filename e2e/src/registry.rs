@@ -193,6 +193,13 @@ impl Registry {
         Ok(std::fs::read_to_string(self.dir.join("dockerconfig.json"))?)
     }
 
+    /// The same user with a wrong password: a pull secret the registry refuses.
+    pub fn wrong_dockerconfigjson(&self) -> Result<String, HarnessError> {
+        Ok(std::fs::read_to_string(
+            self.dir.join("dockerconfig-wrong.json"),
+        )?)
+    }
+
     /// A pushed image by name (`busybox:1`, `private/busybox:1`, `workspace:py`, `multi:1`,
     /// `whiteout:1`, `hostile/<kind>:1`, `busybox:v2`, `busybox:moving`).
     pub fn image(&self, name: &str) -> Result<ImageRef, HarnessError> {

@@ -308,6 +308,19 @@ fn private_repository_needs_the_right_credentials() -> Result<()> {
         cfg["auths"][reg.addr()]["username"],
         creds.username.as_str()
     );
+    // And crane given the wrong pull secret is refused.
+    let wrong_dir = tempdir("wrong-secret")?;
+    std::fs::write(wrong_dir.join("config.json"), reg.wrong_dockerconfigjson()?)?;
+    let refused = output(
+        reg.crane()?
+            .env("DOCKER_CONFIG", &*wrong_dir)
+            .args(["digest", &private.reference]),
+    )?;
+    assert!(
+        !refused.status.success(),
+        "the wrong pull secret pulled the private image"
+    );
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("UNAUTHORIZED"));
     assert_ne!(
         private.digest,
         reg.image("busybox:1")?.digest,

@@ -9,7 +9,9 @@
 #   addr              host:port clients use (also printed on stdout)
 #   credentials.json  {"registry": addr, "username": ..., "password": ...} for private/*
 #   dockerconfig.json a .dockerconfigjson with those credentials (a pull secret's body)
-#   docker/config.json  the same, for DOCKER_CONFIG=$RAMIFY_REGISTRY_DIR/docker (crane)
+#   dockerconfig-wrong.json  the same user with a wrong password (a pull secret to refuse)
+#   docker/config.json  the right one, for DOCKER_CONFIG=$RAMIFY_REGISTRY_DIR/docker (crane)
+#   env               `source` it: RAMIFY_REGISTRY=addr, DOCKER_CONFIG, PATH with crane
 #   images.json       written by hack/images/build.sh: {name: {ref, digest}}
 #   logs/, run/*.pid, storage/
 # Re-running it while the registry is healthy is a no-op; the password is kept for the
@@ -52,9 +54,12 @@ password="$(jq -r .password "$dir/credentials.json")"
 # The address is part of these files: rewrite them on every start (the port may change).
 jq --arg r "$addr" '. + {registry: $r}' "$dir/credentials.json" >"$dir/credentials.json.tmp"
 mv "$dir/credentials.json.tmp" "$dir/credentials.json"
-auth="$(printf '%s:%s' "$user" "$password" | base64 -w0)"
-jq -n --arg r "$addr" --arg u "$user" --arg p "$password" --arg a "$auth" \
-  '{auths: {($r): {username: $u, password: $p, auth: $a}}}' >"$dir/dockerconfig.json"
+dockerconfig() { # user password
+  jq -n --arg r "$addr" --arg u "$1" --arg p "$2" --arg a "$(printf '%s:%s' "$1" "$2" | base64 -w0)" \
+    '{auths: {($r): {username: $u, password: $p, auth: $a}}}'
+}
+dockerconfig "$user" "$password" >"$dir/dockerconfig.json"
+dockerconfig "$user" "wrong-$password" >"$dir/dockerconfig-wrong.json"
 cp "$dir/dockerconfig.json" "$dir/docker/config.json"
 
 cat >"$dir/config.yml" <<YAML
@@ -106,5 +111,7 @@ start regfront "$bin/regfront" serve --listen "$addr" --backend "http://127.0.0.
   --htpasswd "$dir/htpasswd" --protect private
 wait_for regfront 401 "http://$addr/v2/"
 echo "$addr" >"$dir/addr"
+printf 'export RAMIFY_REGISTRY=%s\nexport DOCKER_CONFIG=%s\nexport PATH=%s:$PATH\n' \
+  "$addr" "$dir/docker" "$bin" >"$dir/env"
 log "ready: $addr (private/* needs $dir/credentials.json)"
 echo "$addr"
