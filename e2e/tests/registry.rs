@@ -531,6 +531,61 @@ fn whiteout_and_hostile_layers_hold_exactly_the_intended_entries() -> Result<()>
     Ok(())
 }
 
+/// hostile/corrupt:1's top layer, as served, does not match its digest (so a puller
+/// that verifies blobs must refuse it), while its manifest and base layer are intact.
+#[test]
+fn corrupt_image_serves_a_layer_that_fails_its_digest() -> Result<()> {
+    let reg = Registry::shared()?;
+    let img = reg.image("hostile/corrupt:1")?;
+    assert_eq!(
+        ok(reg.crane()?.args(["digest", &img.reference]))?,
+        img.digest
+    );
+    let m = manifest(&reg, &img.reference)?;
+    let layers = layer_digests(&m);
+    let repo = img
+        .reference
+        .rsplit_once(':')
+        .map(|p| p.0)
+        .unwrap_or_default();
+    let url = format!(
+        "http://{}/v2/{}/blobs/{}",
+        reg.addr(),
+        &repo[reg.addr().len() + 1..],
+        layers[1]
+    );
+    let scratch = tempdir("corrupt")?;
+    let blob = scratch.join("layer");
+    let fetched = ok(Command::new("curl")
+        .args(["-s", "-f", "-o"])
+        .arg(&blob)
+        .arg(&url))?;
+    assert!(fetched.is_empty());
+    let bytes = std::fs::read(&blob)?;
+    assert_eq!(
+        Some(bytes.len() as u64),
+        m["layers"][1]["size"].as_u64(),
+        "same size"
+    );
+    let sha = ok(Command::new("sha256sum").arg(&blob))?;
+    assert_ne!(
+        format!("sha256:{}", &sha[..64]),
+        layers[1],
+        "the served layer matches its digest"
+    );
+    // crane verifies what it reads: the pull fails on the digest.
+    let pull = output(
+        reg.crane()?
+            .args(["export", &img.reference, "-"])
+            .stdout(Stdio::null()),
+    )?;
+    assert!(!pull.status.success(), "crane accepted the corrupt layer");
+    // The base layer it shares with busybox:1 is untouched.
+    let base = layer_entries(&reg, &img.reference, &layers[0], &scratch)?;
+    assert!(base.iter().any(|e| e.0 == "bin/busybox"));
+    Ok(())
+}
+
 /// up.sh and down.sh on a registry of their own (next to the shared one): it answers,
 /// down.sh stops both processes by pid and removes the directory, and a second down.sh
 /// is a no-op.

@@ -10,6 +10,7 @@
 #                                         busybox:1's image) to busybox:v2's image (an extra
 #                                         /etc/ramify-v2); updates images.json
 #
+# hostile/corrupt:1's top layer is corrupted in storage after the push (see mkimages.py).
 # images.json: {"busybox:1": {"ref": "127.0.0.1:15000/busybox:1", "digest": "sha256:...",
 # "size": <bytes of its blobs, compressed>}, ...}. The images and their contents are
 # listed in mkimages.py's doc string; private/* needs the credentials in
@@ -84,6 +85,27 @@ with open(path + ".tmp", "w") as fh:
 os.replace(path + ".tmp", path)' "$dir/images.json" "$addr"
 }
 
+# Overwrites the stored data of an image's top layer with other bytes of the same
+# length, behind the registry's back (it checks digests on upload, not when serving).
+corrupt_top_layer() { # name
+  local ldir layer data
+  ldir="$(layouts_list | awk -v n="$1" '$1 == n { print $2 }')"
+  layer="$(python3 -c 'import json,sys
+root = sys.argv[1]
+desc = json.load(open(root + "/index.json"))["manifests"][0]
+m = json.load(open(root + "/blobs/sha256/" + desc["digest"][7:]))
+print(m["layers"][-1]["digest"][7:])' "$built/$ldir")"
+  data="$dir/storage/docker/registry/v2/blobs/sha256/${layer:0:2}/$layer/data"
+  [[ -f "$data" ]] || die "$1: no stored blob $data"
+  # Only while it still matches: a second push (blob already there) leaves it corrupt.
+  python3 -c 'import hashlib, sys
+p, digest = sys.argv[1:]
+b = bytearray(open(p, "rb").read())
+if hashlib.sha256(b).hexdigest() == digest:
+    b[len(b) // 2] ^= 0xFF
+    open(p, "wb").write(bytes(b))' "$data" "$layer"
+}
+
 case "$cmd" in
   push)
     rm -f "$dir/images.json"
@@ -95,6 +117,7 @@ case "$cmd" in
       if [[ "$name" == busybox:1 ]]; then echo "busybox:moving $(push "$ldir" "$addr/busybox:moving") $size"; fi
     done)"
     record <<<"$pushed_list"
+    corrupt_top_layer hostile/corrupt:1
     ;;
   retag-busybox-v2)
     [[ -f "$dir/images.json" ]] || die "push the images first (build.sh push)"

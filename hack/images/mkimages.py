@@ -48,6 +48,9 @@ The images (what a puller sees; the e2e tests and the node agent's tests rely on
                (02755)
     hardlink   etc/ramify-shadow hard link to /etc/shadow, etc/ramify-hostname hard
                link to ../../../etc/hostname (links to paths outside the layer)
+  hostile/corrupt:1  base plus a marker layer ("corrupt layer") that build.sh overwrites
+                     in the registry's storage after the push (same size, other bytes):
+                     the registry then serves a blob that does not match its digest.
 """
 
 import argparse
@@ -348,7 +351,9 @@ def hostile(kind, busybox):
 
 
 HOSTILE = ["dotdot", "symlink", "device", "manyfiles", "setuid", "hardlink"]
-ALL = ["busybox:1", "busybox:v2", "private/busybox:1", "workspace:py", "multi:1", "whiteout:1"] + [f"hostile/{k}:1" for k in HOSTILE]
+ALL = ["busybox:1", "busybox:v2", "private/busybox:1", "workspace:py", "multi:1", "whiteout:1"] + [
+    f"hostile/{k}:1" for k in HOSTILE + ["corrupt"]
+]
 
 
 def main():
@@ -418,6 +423,7 @@ def main():
             return b.image(lay, ["busybox-base", f"hostile-{kind}"], busybox_config(f"hostile-{kind}"))
         builders[f"hostile/{kind}:1"] = build
 
+    builders["hostile/corrupt:1"] = busybox_like("corrupt layer", "hostile-corrupt")
     for name in names:
         b.save(name, builders[name])
     shutil.rmtree(b.layer_dir)
