@@ -125,16 +125,22 @@ func (f *front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// The path decides whether credentials are needed, so it must mean exactly what
 	// the registry will read: no escaped characters, no dot segments.
 	if r.URL.RawPath != "" || path.Clean(p) != strings.TrimSuffix(p, "/") {
+		log.Printf("regfront: 400 %s %s: non-canonical path", r.Method, r.URL.EscapedPath())
 		writeError(w, http.StatusBadRequest, "NAME_INVALID", "non-canonical request path")
 		return
 	}
 	authed, presented := f.check(r)
 	if presented && !authed {
 		// Wrong credentials are refused everywhere, as real registries do.
+		log.Printf("regfront: 401 %s %s: invalid credentials", r.Method, p)
 		f.challenge(w, "invalid username or password")
 		return
 	}
 	if !authed && f.needsAuth(p) {
+		// The base endpoint's challenge is routine; refusals of content are worth a line.
+		if p != "/v2/" && p != "/v2" {
+			log.Printf("regfront: 401 %s %s: no credentials", r.Method, p)
+		}
 		f.challenge(w, "authentication required")
 		return
 	}
