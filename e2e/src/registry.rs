@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Placement: `RAMIFY_REGISTRY_PORT` (default `RAMIFY_CP_PORT_BASE - 1000`, else 15000;
-//! the registry itself takes the next port) and `RAMIFY_REGISTRY_DIR` (default
+//! the registry itself takes the next port, the up/down test +4 and +5) and `RAMIFY_REGISTRY_DIR` (default
 //! `<repo>/.ramify/test-registry-<port>`), so helpers with their own control-plane port
 //! base get their own registry.
 
