@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs everything the demo and the tests need on a fresh Debian machine with Go and
 # Rust present: Debian packages (runsc, runc, CNI plugins, busybox for test rootfs, gcc for
-# the pause image, ...), rustfmt/clippy, and the Go-built control plane and node (cached).
+# the pause image, debootstrap for the workspace test image, ...), rustfmt/clippy, the
+# Go-built control plane, node (kubelet, containerd), test registry and crane (cached by
+# version), and the debootstrap rootfs of the workspace test image (cached by package list).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 need_apt=()
-for pkg in runsc runc gcc libc6-dev containernetworking-plugins busybox-static python3 iptables iproute2 procps util-linux openssl curl jq; do
+for pkg in runsc runc gcc libc6-dev containernetworking-plugins busybox-static debootstrap python3 iptables iproute2 procps util-linux openssl curl jq; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then
@@ -18,4 +20,6 @@ rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup comp
 if [[ -x "$here/../node-agent/scripts/install-deps.sh" ]]; then "$here/../node-agent/scripts/install-deps.sh"; fi
 echo "install-deps: control plane binaries in $("$here/controlplane/build.sh")" >&2
 echo "install-deps: node (kubelet, containerd, pause and busybox images) in $("$here/node/build.sh")" >&2
+echo "install-deps: registry and crane in $("$here/registry/build.sh")" >&2
+echo "install-deps: workspace image rootfs in $("$here/images/debootstrap.sh")" >&2
 echo "install-deps: Python SDK venv in $("$here/python-venv.sh")" >&2

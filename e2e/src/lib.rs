@@ -7,6 +7,7 @@
 
 pub mod access;
 pub mod node;
+pub mod registry;
 pub mod system;
 
 use std::path::{Path, PathBuf};
