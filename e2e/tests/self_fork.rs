@@ -399,3 +399,107 @@ async fn self_fork_bench() {
     );
     sys.teardown_and_check_clean().await;
 }
+
+/// The workspace test image's root filesystem (Debian minbase + python3 + sqlite3, from
+/// `hack/images/debootstrap.sh`, cached), unpacked once under the agent's rootfs root and
+/// declared as a RootfsClass.
+async fn python_rootfs_class(sys: &System) -> String {
+    let out =
+        std::process::Command::new(ramify_e2e::repo_root().join("hack/images/debootstrap.sh"))
+            .output()
+            .unwrap();
+    assert!(
+        out.status.success(),
+        "hack/images/debootstrap.sh (hack/install-deps.sh runs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tar = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let dir = sys.rootfs_root.join("workspace-py");
+    let stamp = dir.join(".ramify-unpacked-from");
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(tar.as_str()) {
+        let tmp = sys
+            .rootfs_root
+            .join(format!(".workspace-py.{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        let st = std::process::Command::new("tar")
+            .args(["-xpf", &tar, "--numeric-owner", "-C"])
+            .arg(&tmp)
+            .status()
+            .unwrap();
+        assert!(st.success(), "unpacking {tar}");
+        std::fs::write(tmp.join(".ramify-unpacked-from"), &tar).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&tmp, &dir).unwrap();
+    }
+    ramify_e2e::system::declare_rootfs_class(&sys.client, "e2e-workspace-py", &dir).await
+}
+
+/// The protocol in Python, as an agent framework would write it.
+const PY_WORKLOAD: &str = r#"
+import json, os, time
+
+def fork(request):
+    try:
+        os.remove("/run/ramify/fork-result")
+    except FileNotFoundError:
+        pass
+    with open("/run/ramify/fork", "w") as f:
+        json.dump(request, f)
+    while True:
+        try:
+            with open("/run/ramify/fork-result") as f:
+                text = f.read()
+            if text:
+                return json.loads(text)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+
+os.makedirs("/work", exist_ok=True)
+squares = {i: i * i for i in range(200000)}   # state built before the fork, in memory
+result = fork({"count": 4})
+if "branch" in result:
+    i = result["index"]
+    # Each branch computes with its index; the value lives only in its memory.
+    secret = "branch-%d-%d" % (i, sum(squares[k] for k in range(i * 1000)))
+    with open("/run/ramify/verdict", "w") as f:
+        f.write("commit" if i == 3 else "abort")
+else:
+    secret = "original"
+while True:
+    with open("/work/alive.tmp", "w") as f:
+        f.write(secret)
+    os.replace("/work/alive.tmp", "/work/alive")
+    time.sleep(0.2)
+"#;
+
+#[tokio::test]
+async fn a_python_workload_forks_four_ways_and_the_workspace_keeps_the_winners_memory() {
+    let _one = SERIAL.lock().await;
+    let sys = System::start("selffork-py").await;
+    let class = python_rootfs_class(&sys).await;
+    sys.apply(&format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: py}}\nspec:\n  rootfs: {{class: {class}}}\n  command: [\"/usr/bin/python3\", \"-c\", {PY_WORKLOAD:?}]\n  resources: {{cpu: 200m, memory: 256Mi}}\n  selfFork: {{maxBranches: 4}}\n"
+    ));
+    running(&sys, "py").await;
+    let bs = sys
+        .wait_branchset(&self_fork_name("py", 1), "ended", 300, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let st = bs.status.unwrap();
+    assert_eq!(
+        st.phase,
+        BranchSetPhase::Committed,
+        "{st:?}\n{}",
+        sys.diagnostics()
+    );
+    assert_eq!(st.winner.as_deref(), Some("b3"));
+    let want = format!("branch-3-{}", (0..3000u64).map(|k| k * k).sum::<u64>());
+    assert_eq!(
+        read_until(&sys, "py", "/work/alive", 60, |v| v == want).await,
+        want
+    );
+    sys.teardown_and_check_clean().await;
+}

@@ -40,6 +40,7 @@ impl Agent {
     /// Serves self-fork requests until the agent stops.
     pub(super) async fn sweep_self_forks(self: Arc<Self>) {
         let mut missing: HashMap<String, Instant> = HashMap::new();
+        let mut unparsed: HashMap<String, Vec<u8>> = HashMap::new();
         loop {
             tokio::time::sleep(POLL).await;
             let Some(cache) = self.cache.get() else {
@@ -53,12 +54,16 @@ impl Agent {
                     if !seen.insert(uid.clone()) {
                         continue;
                     }
-                    if let Err(e) = self.self_fork_step(obj, &uid, &mut missing).await {
+                    if let Err(e) = self
+                        .self_fork_step(obj, &uid, &mut missing, &mut unparsed)
+                        .await
+                    {
                         warn!(sandbox = %obj.name_any(), error = %e, "serving a self-fork failed; retrying");
                     }
                 }
             }
             missing.retain(|uid, _| seen.contains(uid));
+            unparsed.retain(|uid, _| seen.contains(uid));
         }
     }
 
@@ -67,6 +72,7 @@ impl Agent {
         obj: &SandboxObj,
         uid: &str,
         missing: &mut HashMap<String, Instant>,
+        unparsed: &mut HashMap<String, Vec<u8>>,
     ) -> Result<()> {
         let status = obj.status.clone().unwrap_or_default();
         if status.phase != SandboxPhase::Running || obj.metadata.deletion_timestamp.is_some() {
@@ -96,6 +102,15 @@ impl Agent {
                 Ok(Some(b)) => Ok(b),
                 Err(r) => Err(r.to_string()),
             };
+        // A request caught half-written (`echo ... > fork` truncates, then writes) is
+        // read again next time; only one that stays the same and unreadable is refused.
+        if let Ok(b) = &bytes {
+            if proto::parse_request(b).is_err() && unparsed.get(uid) != Some(b) {
+                unparsed.insert(uid.to_string(), b.clone());
+                return Ok(());
+            }
+            unparsed.remove(uid);
+        }
         // Taken out before anything is recorded: a crash from here on loses the request
         // (the workload is told nothing and may ask again), never forks it twice.
         crate::control::remove_entry(&dir.join(proto::REQUEST_FILE))
