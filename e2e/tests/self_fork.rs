@@ -402,7 +402,7 @@ async fn self_fork_bench() {
 /// The workspace test image's root filesystem (Debian minbase + python3 + sqlite3, from
 /// `hack/images/debootstrap.sh`, cached), unpacked once under the agent's rootfs root and
 /// declared as a RootfsClass.
-async fn python_rootfs_class(sys: &System) -> String {
+fn unpack_python_rootfs(roots: &std::path::Path) -> std::path::PathBuf {
     let out =
         std::process::Command::new(ramify_e2e::repo_root().join("hack/images/debootstrap.sh"))
             .output()
@@ -413,12 +413,10 @@ async fn python_rootfs_class(sys: &System) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     let tar = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let dir = sys.rootfs_root.join("workspace-py");
+    let dir = roots.join("workspace-py");
     let stamp = dir.join(".ramify-unpacked-from");
     if std::fs::read_to_string(&stamp).ok().as_deref() != Some(tar.as_str()) {
-        let tmp = sys
-            .rootfs_root
-            .join(format!(".workspace-py.{}", std::process::id()));
+        let tmp = roots.join(format!(".workspace-py.{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).unwrap();
         let st = std::process::Command::new("tar")
@@ -427,11 +425,13 @@ async fn python_rootfs_class(sys: &System) -> String {
             .status()
             .unwrap();
         assert!(st.success(), "unpacking {tar}");
+        // The control mount's mount point (the agent refuses a root without it).
+        std::fs::create_dir_all(tmp.join("run/ramify")).unwrap();
         std::fs::write(tmp.join(".ramify-unpacked-from"), &tar).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::rename(&tmp, &dir).unwrap();
     }
-    ramify_e2e::system::declare_rootfs_class(&sys.client, "e2e-workspace-py", &dir).await
+    dir
 }
 
 /// The protocol in Python, as an agent framework would write it.
@@ -476,8 +476,10 @@ while True:
 #[tokio::test]
 async fn a_python_workload_forks_four_ways_and_the_workspace_keeps_the_winners_memory() {
     let _one = SERIAL.lock().await;
+    let dir = unpack_python_rootfs(&ramify_e2e::repo_root().join(".ramify/e2e/roots"));
     let sys = System::start("selffork-py").await;
-    let class = python_rootfs_class(&sys).await;
+    let class =
+        ramify_e2e::system::declare_rootfs_class(&sys.client, "e2e-workspace-py", &dir).await;
     sys.apply(&format!(
         "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: py}}\nspec:\n  rootfs: {{class: {class}}}\n  command: [\"/usr/bin/python3\", \"-c\", {PY_WORKLOAD:?}]\n  resources: {{cpu: 200m, memory: 256Mi}}\n  selfFork: {{maxBranches: 4}}\n"
     ));

@@ -260,3 +260,51 @@ async fn a_layer_cannot_reach_the_node_through_a_lower_layers_symlink() {
     }
     h.finish().await;
 }
+
+/// A root filesystem without `/run/ramify` (a Debian tree, as debootstrap makes it) is
+/// refused with the reason before anything starts: the root is read-only, runsc cannot
+/// make the control mount's mount point in it, and the sandbox died at boot with
+/// `Error reading mounts file: unexpected end of JSON input`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_filesystem_without_the_control_mount_point_is_refused_saying_so() {
+    let h = harness("no-run").await;
+    let dir = h.dir.join(ROOTS).join("no-run-ramify");
+    assert!(
+        Command::new("cp")
+            .arg("-a")
+            .arg(&h.rootfs)
+            .arg(&dir)
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::fs::remove_dir_all(dir.join("run")).unwrap();
+    let err = h
+        .engine
+        .start(StartRequest {
+            name: "no-run".into(),
+            rootfs: RootfsSource::Dir(dir.clone()),
+            workload: h.workload("true"),
+            egress_allow: vec![],
+        })
+        .await
+        .unwrap_err();
+    match err {
+        Error::RootfsRefused(m) => assert!(m.contains("/run/ramify"), "{m}"),
+        other => panic!("must be refused: {other:?}"),
+    }
+    // With the directory there, the same tree starts.
+    std::fs::create_dir_all(dir.join("run/ramify")).unwrap();
+    let sb = h
+        .engine
+        .start(StartRequest {
+            name: "no-run".into(),
+            rootfs: RootfsSource::Dir(dir),
+            workload: h.workload("while true; do sleep 1; done"),
+            egress_allow: vec![],
+        })
+        .await
+        .unwrap();
+    assert_eq!(h.sh(&sb, "echo up").await, "up\n");
+    h.destroy_clean(sb).await;
+}

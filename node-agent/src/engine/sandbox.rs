@@ -79,6 +79,18 @@ impl Engine {
         egress_allow: Vec<Cidr>,
         snapshot: Option<&str>,
     ) -> Result<LocalSandbox> {
+        // The root is read-only: runsc cannot make the control mount's mount point in it,
+        // and without one the sandbox dies at boot with an opaque error.
+        let mount_point = rootfs
+            .path()
+            .join(crate::spec::CONTROL_MOUNT.trim_start_matches('/'));
+        if !mount_point.is_dir() {
+            return Err(Error::RootfsRefused(format!(
+                "the root filesystem {} has no directory {} (the mount point of ramify's control directory): create it there",
+                rootfs.path().display(),
+                crate::spec::CONTROL_MOUNT
+            )));
+        }
         let id = self.new_id();
         let dir = self.inner.cfg.state_dir.join("sandboxes").join(&id);
         crate::private::dir_all(&dir.join("runsc-root"))?;
