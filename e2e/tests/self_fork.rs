@@ -415,7 +415,9 @@ fn unpack_python_rootfs(roots: &std::path::Path) -> std::path::PathBuf {
     let tar = String::from_utf8_lossy(&out.stdout).trim().to_string();
     let dir = roots.join("workspace-py");
     let stamp = dir.join(".ramify-unpacked-from");
-    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(tar.as_str()) {
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(tar.as_str())
+        || !dir.join("run/ramify").is_dir()
+    {
         let tmp = roots.join(format!(".workspace-py.{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).unwrap();
