@@ -271,11 +271,31 @@ async fn a_branch_forks_again_within_max_depth_and_the_nested_winner_becomes_the
 /// `date` has no `%N`; `ts` reads gettimeofday).
 const NOW: &str = "now() { echo | ts '%.s' | cut -d' ' -f1; }";
 
-/// The seconds (with microseconds) sandbox `name` wrote to `path`; `None` while the
-/// file is not there yet.
-fn stamp(sys: &System, name: &str, path: &str) -> Option<f64> {
-    let (code, out) = sys.exec(name, &format!("cat {path} 2>/dev/null"));
-    (code == 0).then(|| out.trim().parse().ok()).flatten()
+/// The seconds (with microseconds) sandbox `name` wrote to `path`, once it has.
+async fn stamp(sys: &System, name: &str, path: &str) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (code, out) = sys.exec(name, &format!("cat {path} 2>/dev/null"));
+        if let Some(t) = (code == 0).then(|| out.trim().parse().ok()).flatten() {
+            return t;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name}:{path} not written\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The latest time the four branches `b0`..`b3` of `set` wrote to `path`.
+async fn last_stamp(sys: &System, set: &str, path: &str) -> f64 {
+    let mut last = 0f64;
+    for i in 0..4 {
+        let b = ramify_crds::branch_sandbox_name(set, &format!("b{i}"));
+        last = last.max(stamp(sys, &b, path).await);
+    }
+    last
 }
 
 /// A benchmark, not a test (`--ignored` runs it and prints the figures): a self-fork
@@ -299,39 +319,13 @@ async fn self_fork_bench() {
         sys.apply(&with_self_fork(&sys, &name, &script, "{maxBranches: 4}"));
         running(&sys, &name).await;
         let bs = self_fork_name(&name, 1);
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let t0 = loop {
-            if let Some(t) = stamp(
-                &sys,
-                &ramify_crds::branch_sandbox_name(&bs, "b0"),
-                "/work/t0",
-            ) {
-                break t;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{bs}: no branch reported\n{}",
-                sys.diagnostics()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
-        let mut last = 0f64;
-        for i in 0..4 {
-            let b = ramify_crds::branch_sandbox_name(&bs, &format!("b{i}"));
-            let deadline = Instant::now() + Duration::from_secs(120);
-            let t1 = loop {
-                if let Some(t) = stamp(&sys, &b, "/work/t1") {
-                    break t;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "{b}: no return\n{}",
-                    sys.diagnostics()
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            };
-            last = last.max(t1);
-        }
+        let t0 = stamp(
+            &sys,
+            &ramify_crds::branch_sandbox_name(&bs, "b0"),
+            "/work/t0",
+        )
+        .await;
+        let last = last_stamp(&sys, &bs, "/work/t1").await;
         inside.push((last - t0) * 1000.0);
         // Undecided until read (a decided set removes its branches); the set goes with
         // its Sandbox.
@@ -358,23 +352,7 @@ async fn self_fork_bench() {
         sys.apply(&format!(
             "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {{name: {set}}}\nspec:\n  source: {{sandbox: {name}}}\n  policy: Manual\n  branches:\n{branches}"
         ));
-        let mut last = 0f64;
-        for i in 0..4 {
-            let b = ramify_crds::branch_sandbox_name(&set, &format!("b{i}"));
-            let deadline = Instant::now() + Duration::from_secs(120);
-            let t1 = loop {
-                if let Some(t) = stamp(&sys, &b, "/work/t1") {
-                    break t;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "{b}: did not run\n{}",
-                    sys.diagnostics()
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            };
-            last = last.max(t1);
-        }
+        let last = last_stamp(&sys, &set, "/work/t1").await;
         outside.push((last - t0) * 1000.0);
         let _ = sys.branchsets().delete(&set, &Default::default()).await;
         sys.wait_branches_gone(&set, 120).await;
