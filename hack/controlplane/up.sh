@@ -131,36 +131,8 @@ kubeconfig "$dir/kubeconfig" admin
 kubeconfig "$dir/controller-manager.kubeconfig" controller-manager
 kubeconfig "$dir/scheduler.kubeconfig" scheduler
 
-start() { # name args...
-  local name="$1"; shift
-  (
-    # Close every descriptor inherited beyond stdio (a caller's lock file, a test
-    # harness's pipes): a daemon holding them would keep the lock held, or the
-    # caller's output open, for as long as it runs.
-    for fd in /proc/"$BASHPID"/fd/*; do
-      fd="${fd##*/}"
-      if ((fd > 2)); then eval "exec $fd>&-" 2>/dev/null || true; fi
-    done
-    exec setsid "$@" >"$dir/logs/$name.log" 2>&1 </dev/null
-  ) &
-  echo $! >"$dir/run/$name.pid"
-}
-wait_for() { # what timeout-seconds command...
-  local what="$1" limit="$2"; shift 2
-  local deadline=$((SECONDS + limit))
-  until "$@" >/dev/null 2>&1; do
-    if ((SECONDS > deadline)); then
-      tail -n 30 "$dir/logs/$what.log" >&2 || true
-      die "$what did not become ready within ${limit}s (log: $dir/logs/$what.log)"
-    fi
-    local pid; pid="$(cat "$dir/run/$what.pid")"
-    if ! kill -0 "$pid" 2>/dev/null; then
-      tail -n 30 "$dir/logs/$what.log" >&2 || true
-      die "$what exited (log: $dir/logs/$what.log)"
-    fi
-    sleep 0.2
-  done
-}
+# shellcheck source=../lib/daemon.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/daemon.sh"
 
 log "starting etcd on 127.0.0.1:$etcd_port"
 start etcd "$bin/etcd" --name ramify --data-dir "$dir/etcd" \

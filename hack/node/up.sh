@@ -170,33 +170,8 @@ state = "$ctrd/state"
   stream_server_port = "0"
 EOF
 
-start() { # name args...
-  local what="$1"; shift
-  (
-    # Close inherited descriptors beyond stdio (a caller's lock, a harness's pipes).
-    for fd in /proc/"$BASHPID"/fd/*; do
-      fd="${fd##*/}"
-      if ((fd > 2)); then eval "exec $fd>&-" 2>/dev/null || true; fi
-    done
-    exec setsid "$@" >"$dir/logs/$what.log" 2>&1 </dev/null
-  ) &
-  echo $! >"$dir/run/$what.pid"
-}
-wait_for() { # what timeout-seconds command...
-  local what="$1" limit="$2"; shift 2
-  local deadline=$((SECONDS + limit))
-  until "$@" >/dev/null 2>&1; do
-    if ((SECONDS > deadline)); then
-      tail -n 30 "$dir/logs/$what.log" >&2 || true
-      die "$what did not become ready within ${limit}s (log: $dir/logs/$what.log)"
-    fi
-    if ! kill -0 "$(cat "$dir/run/$what.pid")" 2>/dev/null; then
-      tail -n 30 "$dir/logs/$what.log" >&2 || true
-      die "$what exited (log: $dir/logs/$what.log)"
-    fi
-    sleep 0.2
-  done
-}
+# shellcheck source=../lib/daemon.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/daemon.sh"
 ctr=("$bin/ctr" --address "$run/containerd.sock" -n k8s.io)
 
 log "starting containerd ($("$bin/containerd" --version | awk '{print $3}'))"
