@@ -452,7 +452,14 @@ fn defaults_render_the_documented_deployment() {
                 );
             }
             let resources = strings(&rule["resources"]);
-            for forbidden in ["secrets", "pods", "pods/exec", "nodes", "configmaps"] {
+            // One exception: the node agent gets (never lists or watches) the image
+            // pull Secrets a Sandbox names, in a rule of its own.
+            if resources.contains(&"secrets") {
+                assert_eq!(o["metadata"]["name"], "ramify-node-agent", "{rule}");
+                assert_eq!(resources, ["secrets"], "{rule}");
+                assert_eq!(strings(&rule["verbs"]), ["get"], "{rule}");
+            }
+            for forbidden in ["pods", "pods/exec", "nodes", "configmaps"] {
                 assert!(
                     !resources.contains(&forbidden),
                     "{} grants {forbidden}",

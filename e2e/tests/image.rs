@@ -1,0 +1,532 @@
+//! Sandboxes from container images (`spec.image`), against the real test registry
+//! (`hack/registry/up.sh`: distribution on loopback, `private/*` behind htpasswd) with
+//! the test images (`hack/images/build.sh`), real runsc and the real kube-apiserver.
+//!
+//! Run under the runsc lock: `flock -o /tmp/ramify-runsc.lock cargo test -p ramify-e2e
+//! --test image -- --nocapture --test-threads 1`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, DeleteParams, PostParams};
+use ramify_crds::{Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
+use ramify_e2e::repo_root;
+use ramify_e2e::system::System;
+
+/// The test registry, started (or found running) by its scripts. The scripts are the
+/// repository's (`hack/registry`, `hack/images`); `RAMIFY_REGISTRY_HACK` names another
+/// checkout's `hack/` while both are developed apart.
+struct Registry {
+    dir: PathBuf,
+    images: BTreeMap<String, (String, String)>,
+}
+
+fn hack() -> PathBuf {
+    std::env::var_os("RAMIFY_REGISTRY_HACK")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("hack"))
+}
+
+fn run(cmd: &mut Command, what: &str) -> String {
+    let out = cmd
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: {e} (is {} there?)", hack().display()));
+    assert!(out.status.success(), "{what} failed: {}", out.status);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+impl Registry {
+    fn start() -> Registry {
+        let port: u16 = std::env::var("RAMIFY_CP_PORT_BASE")
+            .ok()
+            .and_then(|b| b.parse::<u16>().ok())
+            .and_then(|b| b.checked_sub(1000))
+            .unwrap_or(15000);
+        let dir = repo_root().join(format!(".ramify/test-registry-{port}"));
+        run(
+            Command::new(hack().join("registry/up.sh"))
+                .env("RAMIFY_REGISTRY_DIR", &dir)
+                .env("RAMIFY_REGISTRY_PORT", port.to_string()),
+            "hack/registry/up.sh",
+        );
+        let mut r = Registry {
+            dir,
+            images: BTreeMap::new(),
+        };
+        r.build(&["push"]);
+        r
+    }
+
+    fn build(&mut self, args: &[&str]) {
+        run(
+            Command::new(hack().join("images/build.sh"))
+                .args(args)
+                .env("RAMIFY_REGISTRY_DIR", &self.dir),
+            "hack/images/build.sh",
+        );
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.dir.join("images.json")).unwrap()).unwrap();
+        self.images = v
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, i)| {
+                (
+                    k.clone(),
+                    (
+                        i["ref"].as_str().unwrap().to_string(),
+                        i["digest"].as_str().unwrap().to_string(),
+                    ),
+                )
+            })
+            .collect();
+    }
+
+    /// (reference, digest) of a pushed image.
+    fn image(&self, name: &str) -> (String, String) {
+        self.images
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no image {name} in images.json"))
+    }
+
+    fn dockerconfigjson(&self) -> String {
+        std::fs::read_to_string(self.dir.join("dockerconfig.json")).unwrap()
+    }
+}
+
+async fn system(name: &str) -> System {
+    System::start_with(name, &["--insecure-registry", "loopback"], &[]).await
+}
+
+fn image_sandbox(name: &str, image: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  image: {image:?}\n{extra}"
+    )
+}
+
+fn ready_reason(s: &Sandbox) -> String {
+    s.status
+        .as_ref()
+        .and_then(|st| st.conditions.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| c.reason.clone())
+        .unwrap_or_default()
+}
+
+fn ready_message(s: &Sandbox) -> String {
+    s.status
+        .as_ref()
+        .and_then(|st| st.conditions.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| c.message.clone())
+        .unwrap_or_default()
+}
+
+async fn running(sys: &System, name: &str, secs: u64) -> Sandbox {
+    // Running, or Failed (said at once rather than after the deadline).
+    let sb = sys
+        .wait_sandbox(name, "Running", secs, |s| {
+            s.status.as_ref().is_some_and(|st| {
+                st.phase == SandboxPhase::Running || st.phase == SandboxPhase::Failed
+            })
+        })
+        .await;
+    assert_eq!(
+        sb.status.as_ref().map(|st| st.phase),
+        Some(SandboxPhase::Running),
+        "{name}: {}\n{}",
+        ready_message(&sb),
+        sys.diagnostics()
+    );
+    sb
+}
+
+fn cache_dir(sys: &System) -> PathBuf {
+    sys.log_dir.join("rootfs-cache/images")
+}
+
+/// Files under `dir` (recursively), for disk figures.
+fn du(dir: &Path) -> u64 {
+    let out = Command::new("du").args(["-sb"]).arg(dir).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn an_anonymous_image_runs_with_its_config_and_execs() {
+    let reg = Registry::start();
+    let sys = system("img-anon").await;
+    let (busybox, digest) = reg.image("busybox:1");
+    let t0 = Instant::now();
+    // No command: the image's entrypoint and cmd; its env, working dir and user.
+    sys.apply(&image_sandbox("bb", &busybox, ""));
+    let sb = running(&sys, "bb", 180).await;
+    let first = t0.elapsed();
+    let st = sb.status.unwrap();
+    assert_eq!(st.image_digest.as_deref(), Some(digest.as_str()));
+    assert_eq!(sys.exec("bb", "cat /etc/ramify-image").1, "busybox v1");
+    let status = sys.exec("bb", "cat /proc/1/status").1;
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("Uid:") && l.contains("1000")),
+        "the image's user 1000 runs the workload:\n{status}"
+    );
+    let environ = sys.exec("bb", "tr '\\0' '\\n' < /proc/1/environ").1;
+    assert!(environ.contains("RAMIFY_IMAGE=busybox"), "{environ}");
+    let cwd = sys.exec("bb", "readlink /proc/1/cwd").1;
+    assert_eq!(cwd, "/home/app");
+    let pulled = sys.event("bb", ramify_crds::REASON_PULLED).await;
+    assert!(pulled.note.unwrap_or_default().contains(&digest));
+
+    // A second sandbox of the same image: the layers are cached (no pull), and the
+    // rootfs is shared, not copied.
+    let before = du(&cache_dir(&sys));
+    let t1 = Instant::now();
+    sys.apply(&image_sandbox(
+        "bb2",
+        &busybox,
+        "  command: [\"/bin/sh\", \"-c\", \"echo spec-command > /tmp/out; sleep 3600\"]\n  env: [{name: EXTRA, value: \"1\"}]\n",
+    ));
+    let sb2 = running(&sys, "bb2", 120).await;
+    let cached = t1.elapsed();
+    assert_eq!(
+        sb2.status.unwrap().image_digest.as_deref(),
+        Some(digest.as_str())
+    );
+    assert_eq!(sys.exec("bb2", "cat /tmp/out").1, "spec-command");
+    let environ = sys.exec("bb2", "tr '\\0' '\\n' < /proc/1/environ").1;
+    assert!(
+        environ.contains("EXTRA=1") && environ.contains("RAMIFY_IMAGE=busybox"),
+        "{environ}"
+    );
+    let after = du(&cache_dir(&sys));
+    assert_eq!(
+        before, after,
+        "a second sandbox of a cached image adds nothing to the cache"
+    );
+    eprintln!(
+        "busybox:1: first pull+unpack+start {} ms; start with layers cached {} ms; cache {} bytes",
+        first.as_millis(),
+        cached.as_millis(),
+        after
+    );
+    sys.teardown_and_check_clean().await;
+}
+
+async fn secret(sys: &System, name: &str, body: &str) {
+    let api: Api<Secret> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let s = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        type_: Some(ramify_crds::SECRET_TYPE_DOCKERCONFIGJSON.into()),
+        data: Some(
+            [(
+                ramify_crds::SECRET_KEY_DOCKERCONFIGJSON.to_string(),
+                ByteString(body.as_bytes().to_vec()),
+            )]
+            .into(),
+        ),
+        ..Default::default()
+    };
+    api.create(&PostParams::default(), &s).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_private_image_needs_the_right_pull_secret() {
+    let reg = Registry::start();
+    let sys = system("img-private").await;
+    let (private, digest) = reg.image("private/busybox:1");
+    let good = reg.dockerconfigjson();
+    let v: serde_json::Value = serde_json::from_str(&good).unwrap();
+    let addr = v["auths"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .next()
+        .unwrap()
+        .clone();
+    let bad = serde_json::json!({"auths": {addr: {"username": "ramify", "password": "wrong"}}})
+        .to_string();
+    secret(&sys, "good", &good).await;
+    secret(&sys, "bad", &bad).await;
+    sys.apply(&image_sandbox("none", &private, ""));
+    sys.apply(&image_sandbox(
+        "wrong",
+        &private,
+        "  imagePullSecrets: [{name: bad}]\n",
+    ));
+    for name in ["none", "wrong"] {
+        // Retried with backoff; said in the status; no sandbox ever started.
+        let sb = sys
+            .wait_sandbox(name, "ImagePullBackOff", 120, |s| {
+                ready_reason(s) == ramify_crds::REASON_IMAGE_PULL_BACKOFF
+            })
+            .await;
+        let st = sb.status.clone().unwrap();
+        assert_eq!(st.phase, SandboxPhase::Starting);
+        assert!(st.sandbox_id.is_none(), "{name}: {st:?}");
+        let msg = ready_message(&sb);
+        assert!(
+            msg.contains(&private)
+                && (msg.contains("401") || msg.to_lowercase().contains("unauthorized")),
+            "{name}: the registry's refusal is in the message: {msg}"
+        );
+        let ev = sys.event(name, ramify_crds::REASON_ERR_IMAGE_PULL).await;
+        assert!(ev.note.unwrap_or_default().contains(&private));
+    }
+    // The right secret (listed after one without an entry for the registry).
+    secret(
+        &sys,
+        "other",
+        r#"{"auths":{"elsewhere.example":{"username":"a","password":"b"}}}"#,
+    )
+    .await;
+    sys.apply(&image_sandbox(
+        "right",
+        &private,
+        "  imagePullSecrets: [{name: other}, {name: good}]\n",
+    ));
+    let sb = running(&sys, "right", 120).await;
+    assert_eq!(
+        sb.status.unwrap().image_digest.as_deref(),
+        Some(digest.as_str())
+    );
+    assert_eq!(
+        sys.exec("right", "cat /etc/ramify-image").1,
+        "private busybox v1"
+    );
+    // Pulled by one namespace's credentials, the cached image does not serve the
+    // sandbox without them: it still fails.
+    let none = sys.sandboxes().get("none").await.unwrap();
+    assert_ne!(none.status.unwrap().phase, SandboxPhase::Running);
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn a_moved_tag_never_moves_a_snapshot_even_when_the_cache_lost_it() {
+    let mut reg = Registry::start();
+    let sys = system("img-moved").await;
+    // `push` (in start) sets the tag `moving` to busybox:1's image.
+    let (moving, d1) = reg.image("busybox:moving");
+    assert_eq!(d1, reg.image("busybox:1").1, "the tag starts at busybox:1");
+    sys.apply(&image_sandbox("src", &moving, ""));
+    running(&sys, "src", 180).await;
+    sys.apply("apiVersion: ramify.dev/v1alpha1\nkind: Snapshot\nmetadata: {name: snap}\nspec: {source: {sandbox: src}}\n");
+    let snaps: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let snap = sys
+        .wait_for(snaps.clone(), "snap", "Ready", 120, |s: &Snapshot| {
+            s.status
+                .as_ref()
+                .is_some_and(|st| st.phase == SnapshotPhase::Ready)
+        })
+        .await;
+    let st = snap.status.unwrap();
+    assert_eq!(st.image_digest.as_deref(), Some(d1.as_str()));
+    let pinned = st.image.clone().unwrap();
+    assert!(pinned.ends_with(&format!("@{d1}")), "{pinned}");
+    // The tag moves.
+    reg.build(&["retag-busybox-v2"]);
+    let (_, d2) = reg.image("busybox:moving");
+    assert_ne!(d1, d2);
+    sys.apply(&image_sandbox(
+        "fresh",
+        &moving,
+        "  imagePullPolicy: Always\n",
+    ));
+    let fresh = running(&sys, "fresh", 120).await;
+    assert_eq!(
+        fresh.status.unwrap().image_digest.as_deref(),
+        Some(d2.as_str())
+    );
+    assert_eq!(sys.exec("fresh", "cat /etc/ramify-image").1, "busybox v2");
+    // A branch restores the snapshot's image, not the tag's.
+    let branch = |name: &str| {
+        format!(
+            "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec: {{restoreFrom: {{snapshot: snap}}}}\n"
+        )
+    };
+    sys.apply(&branch("b1"));
+    let b1 = running(&sys, "b1", 120).await;
+    assert_eq!(
+        b1.status.unwrap().image_digest.as_deref(),
+        Some(d1.as_str())
+    );
+    assert_eq!(sys.exec("b1", "cat /etc/ramify-image").1, "busybox v1");
+    // The node loses the image (its source and first branch gone, the cache emptied
+    // of it): the next branch pulls it again by digest, never by the tag.
+    let dp = DeleteParams::default();
+    for n in ["src", "b1"] {
+        sys.sandboxes().delete(n, &dp).await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sys.sandboxes().get_opt("src").await.unwrap().is_some()
+        || sys.sandboxes().get_opt("b1").await.unwrap().is_some()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "sources not deleted\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let lost = cache_dir(&sys)
+        .join("rootfs/sha256")
+        .join(d1.trim_start_matches("sha256:"));
+    assert!(
+        lost.is_dir(),
+        "{} missing before the test removes it",
+        lost.display()
+    );
+    std::fs::remove_dir_all(&lost).unwrap();
+    sys.apply(&branch("b2"));
+    let b2 = running(&sys, "b2", 180).await;
+    assert_eq!(
+        b2.status.unwrap().image_digest.as_deref(),
+        Some(d1.as_str())
+    );
+    assert_eq!(sys.exec("b2", "cat /etc/ramify-image").1, "busybox v1");
+    assert!(lost.is_dir(), "pulled again by digest");
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn a_multi_arch_index_runs_this_nodes_platform() {
+    let reg = Registry::start();
+    let sys = system("img-multi").await;
+    let (multi, index) = reg.image("multi:1");
+    let (_, amd64) = reg.image("busybox:1");
+    sys.apply(&image_sandbox("m", &multi, ""));
+    let sb = running(&sys, "m", 180).await;
+    // The platform manifest (busybox:1's), not the index, nor arm64's first entry.
+    assert_eq!(
+        sb.status.unwrap().image_digest.as_deref(),
+        Some(amd64.as_str())
+    );
+    assert_ne!(index, amd64);
+    assert_eq!(sys.exec("m", "cat /etc/ramify-image").1, "busybox v1");
+    let (code, _) = sys.exec("m", "test -e /etc/ramify-platform");
+    assert_ne!(code, 0, "the arm64 image's marker is not there");
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn whiteouts_and_opaque_directories_hide_lower_layers() {
+    let reg = Registry::start();
+    let sys = system("img-wh").await;
+    let (wh, _) = reg.image("whiteout:1");
+    sys.apply(&image_sandbox(
+        "w",
+        &wh,
+        "  command: [\"/bin/sh\", \"-c\", \"sleep 3600\"]\n",
+    ));
+    running(&sys, "w", 180).await;
+    assert_eq!(sys.exec("w", "ls /data").1, "keep.txt");
+    assert_eq!(sys.exec("w", "ls /opaque").1, "new.txt");
+    sys.teardown_and_check_clean().await;
+}
+
+/// Every `ramify-escape*` file anywhere the hostile layers aim at.
+fn escapes(sys: &System) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for dir in [
+        PathBuf::from("/"),
+        PathBuf::from("/tmp"),
+        sys.log_dir.clone(),
+        sys.log_dir.join("rootfs-cache"),
+        cache_dir(sys),
+        cache_dir(sys).join("tmp"),
+    ] {
+        if let Ok(rd) = std::fs::read_dir(&dir) {
+            out.extend(
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.to_string_lossy().contains("ramify-escape")),
+            );
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn hostile_layers_are_refused_or_contained() {
+    let reg = Registry::start();
+    let sys = system("img-hostile").await;
+    let cmd = "  command: [\"/bin/sh\", \"-c\", \"sleep 3600\"]\n";
+    for kind in ["dotdot", "symlink", "hardlink"] {
+        let (r, _) = reg.image(&format!("hostile/{kind}:1"));
+        sys.apply(&image_sandbox(kind, &r, cmd));
+        let sb = sys
+            .wait_sandbox(kind, "Failed", 120, |s| {
+                s.status
+                    .as_ref()
+                    .is_some_and(|st| st.phase == SandboxPhase::Failed)
+            })
+            .await;
+        assert_eq!(
+            ready_reason(&sb),
+            ramify_crds::REASON_IMAGE_REFUSED,
+            "{kind}"
+        );
+        assert!(sb.status.unwrap().sandbox_id.is_none());
+        eprintln!(
+            "hostile/{kind}: refused: {}",
+            ready_message(&sys.sandboxes().get(kind).await.unwrap())
+        );
+    }
+    // Contained: devices skipped, setuid stripped, 10k files unpacked.
+    for kind in ["device", "setuid", "manyfiles"] {
+        let (r, _) = reg.image(&format!("hostile/{kind}:1"));
+        sys.apply(&image_sandbox(kind, &r, cmd));
+        running(&sys, kind, 240).await;
+    }
+    assert_ne!(
+        sys.exec(
+            "device",
+            "test -e /dev/ramify-mem || test -e /dev/ramify-sda"
+        )
+        .0,
+        0
+    );
+    let (code, mode) = sys.exec("setuid", "stat -c %a /bin/ramify-setuid /bin/ramify-setgid");
+    assert_eq!((code, mode.as_str()), (0, "755\n755"));
+    assert_eq!(sys.exec("manyfiles", "ls /many/d042 | wc -l").1, "100");
+    assert_eq!(sys.exec("manyfiles", "ls /many | wc -l").1, "100");
+    let left = escapes(&sys);
+    assert!(left.is_empty(), "written outside the cache: {left:?}");
+    // Nothing of the refused pulls is left half-made.
+    let tmp: Vec<_> = std::fs::read_dir(cache_dir(&sys).join("tmp"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert!(tmp.is_empty(), "{tmp:?}");
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn an_invalid_image_reference_is_refused_by_the_schema() {
+    let sys = system("img-invalid").await;
+    for bad in ["UPPER/case:1", "a b", "repo@sha256:xyz"] {
+        let out = sys
+            .cp
+            .kubectl_run(
+                &["apply", "-n", &sys.ns.name, "-f", "-"],
+                Some(&image_sandbox("bad", bad, "")),
+            )
+            .unwrap();
+        assert!(!out.success, "{bad} accepted");
+        assert!(out.stderr.contains("spec.image"), "{bad}: {}", out.stderr);
+    }
+    sys.teardown_and_check_clean().await;
+}
