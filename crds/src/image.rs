@@ -51,7 +51,8 @@ pub const SECRET_TYPE_DOCKERCONFIGJSON: &str = "kubernetes.io/dockerconfigjson";
 /// The key of that Secret holding the docker config.
 pub const SECRET_KEY_DOCKERCONFIGJSON: &str = ".dockerconfigjson";
 
-/// What `spec.image` must look like (RE2, anchored): an optional registry host (with
-/// port), lowercase repository path components, an optional tag and an optional
+/// What `spec.image` must look like (RE2, anchored): an optional registry host (as
+/// Docker tells one: it has a dot or a port, or is `localhost`), lowercase repository
+/// path components, an optional tag and an optional
 /// sha256 digest. The agent parses it again (`InvalidImageName` if it still fails).
-pub const IMAGE_REFERENCE_PATTERN: &str = r"^([A-Za-z0-9][A-Za-z0-9.-]*(:[0-9]{1,5})?/)?[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$";
+pub const IMAGE_REFERENCE_PATTERN: &str = r"^(([A-Za-z0-9-]+\.)+[A-Za-z0-9-]+(:[0-9]{1,5})?/|[A-Za-z0-9-]+:[0-9]{1,5}/|localhost/)?[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$";
