@@ -23,7 +23,8 @@ use ramify_e2e::system::System;
 /// checkout's `hack/` while both are developed apart.
 struct Registry {
     dir: PathBuf,
-    images: BTreeMap<String, (String, String)>,
+    images: std::sync::Mutex<BTreeMap<String, (String, String)>>,
+    sizes: std::sync::Mutex<BTreeMap<String, u64>>,
 }
 
 fn hack() -> PathBuf {
@@ -42,7 +43,25 @@ fn run(cmd: &mut Command, what: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// One System at a time: every operator binds any unbound Sandbox (see system.rs).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// One registry per test process, shared by the tests running at once (the first
+/// pushes the images, which also resets the moved tag), stopped after the last.
+static SHARED: std::sync::Mutex<std::sync::Weak<Registry>> =
+    std::sync::Mutex::new(std::sync::Weak::new());
+
 impl Registry {
+    fn shared() -> std::sync::Arc<Registry> {
+        let mut slot = SHARED.lock().unwrap();
+        if let Some(r) = slot.upgrade() {
+            return r;
+        }
+        let r = std::sync::Arc::new(Self::start());
+        *slot = std::sync::Arc::downgrade(&r);
+        r
+    }
+
     fn start() -> Registry {
         let port: u16 = std::env::var("RAMIFY_CP_PORT_BASE")
             .ok()
@@ -56,15 +75,16 @@ impl Registry {
                 .env("RAMIFY_REGISTRY_PORT", port.to_string()),
             "hack/registry/up.sh",
         );
-        let mut r = Registry {
+        let r = Registry {
             dir,
-            images: BTreeMap::new(),
+            images: Default::default(),
+            sizes: Default::default(),
         };
         r.build(&["push"]);
         r
     }
 
-    fn build(&mut self, args: &[&str]) {
+    fn build(&self, args: &[&str]) {
         run(
             Command::new(hack().join("images/build.sh"))
                 .args(args)
@@ -73,7 +93,13 @@ impl Registry {
         );
         let v: serde_json::Value =
             serde_json::from_slice(&std::fs::read(self.dir.join("images.json")).unwrap()).unwrap();
-        self.images = v
+        *self.sizes.lock().unwrap() = v
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, i)| (k.clone(), i["size"].as_u64().unwrap_or(0)))
+            .collect();
+        *self.images.lock().unwrap() = v
             .as_object()
             .unwrap()
             .iter()
@@ -92,14 +118,52 @@ impl Registry {
     /// (reference, digest) of a pushed image.
     fn image(&self, name: &str) -> (String, String) {
         self.images
+            .lock()
+            .unwrap()
             .get(name)
             .cloned()
             .unwrap_or_else(|| panic!("no image {name} in images.json"))
     }
 
+    /// Bytes of an image's blobs (compressed).
+    fn size(&self, name: &str) -> u64 {
+        self.sizes.lock().unwrap().get(name).copied().unwrap_or(0)
+    }
+
     fn dockerconfigjson(&self) -> String {
         std::fs::read_to_string(self.dir.join("dockerconfig.json")).unwrap()
     }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = Command::new(hack().join("registry/down.sh"))
+            .env("RAMIFY_REGISTRY_DIR", &self.dir)
+            .stdin(Stdio::null())
+            .status();
+    }
+}
+
+/// Runs `cmd` in a sandbox (the agent's CLI, as `System::exec`); its stdout, trimmed.
+/// Fails the test, with the CLI's stderr, when the command fails.
+fn exec_ok(sys: &System, sandbox: &str, cmd: &str) -> String {
+    let out = Command::new(ramify_e2e::binary("ramify-node-agent").unwrap())
+        .arg("--runsc")
+        .arg(&sys.runsc)
+        .args(["exec", "--state-dir"])
+        .arg(&sys.state_dir)
+        .arg(format!("{}/{sandbox}", sys.ns.name))
+        .args(["--", "/bin/sh", "-c", cmd])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "exec {cmd:?} in {sandbox}: {}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        sys.diagnostics()
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 async fn system(name: &str) -> System {
@@ -161,9 +225,24 @@ fn du(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// [`du`] of sandbox directories without their rootfs bind mounts (the shared image).
+fn du_own(dir: &Path) -> u64 {
+    let out = Command::new("du")
+        .args(["-sb", "--exclude=rootfs"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
 #[tokio::test]
 async fn an_anonymous_image_runs_with_its_config_and_execs() {
-    let reg = Registry::start();
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
     let sys = system("img-anon").await;
     let (busybox, digest) = reg.image("busybox:1");
     let t0 = Instant::now();
@@ -173,17 +252,17 @@ async fn an_anonymous_image_runs_with_its_config_and_execs() {
     let first = t0.elapsed();
     let st = sb.status.unwrap();
     assert_eq!(st.image_digest.as_deref(), Some(digest.as_str()));
-    assert_eq!(sys.exec("bb", "cat /etc/ramify-image").1, "busybox v1");
-    let status = sys.exec("bb", "cat /proc/1/status").1;
+    assert_eq!(exec_ok(&sys, "bb", "cat /etc/ramify-image"), "busybox v1");
+    let status = exec_ok(&sys, "bb", "cat /proc/1/status");
     assert!(
         status
             .lines()
             .any(|l| l.starts_with("Uid:") && l.contains("1000")),
         "the image's user 1000 runs the workload:\n{status}"
     );
-    let environ = sys.exec("bb", "tr '\\0' '\\n' < /proc/1/environ").1;
+    let environ = exec_ok(&sys, "bb", "tr '\\0' '\\n' < /proc/1/environ");
     assert!(environ.contains("RAMIFY_IMAGE=busybox"), "{environ}");
-    let cwd = sys.exec("bb", "readlink /proc/1/cwd").1;
+    let cwd = exec_ok(&sys, "bb", "readlink /proc/1/cwd");
     assert_eq!(cwd, "/home/app");
     let pulled = sys.event("bb", ramify_crds::REASON_PULLED).await;
     assert!(pulled.note.unwrap_or_default().contains(&digest));
@@ -203,8 +282,8 @@ async fn an_anonymous_image_runs_with_its_config_and_execs() {
         sb2.status.unwrap().image_digest.as_deref(),
         Some(digest.as_str())
     );
-    assert_eq!(sys.exec("bb2", "cat /tmp/out").1, "spec-command");
-    let environ = sys.exec("bb2", "tr '\\0' '\\n' < /proc/1/environ").1;
+    assert_eq!(exec_ok(&sys, "bb2", "cat /tmp/out"), "spec-command");
+    let environ = exec_ok(&sys, "bb2", "tr '\\0' '\\n' < /proc/1/environ");
     assert!(
         environ.contains("EXTRA=1") && environ.contains("RAMIFY_IMAGE=busybox"),
         "{environ}"
@@ -245,7 +324,8 @@ async fn secret(sys: &System, name: &str, body: &str) {
 
 #[tokio::test]
 async fn a_private_image_needs_the_right_pull_secret() {
-    let reg = Registry::start();
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
     let sys = system("img-private").await;
     let (private, digest) = reg.image("private/busybox:1");
     let good = reg.dockerconfigjson();
@@ -303,7 +383,7 @@ async fn a_private_image_needs_the_right_pull_secret() {
         Some(digest.as_str())
     );
     assert_eq!(
-        sys.exec("right", "cat /etc/ramify-image").1,
+        exec_ok(&sys, "right", "cat /etc/ramify-image"),
         "private busybox v1"
     );
     // Pulled by one namespace's credentials, the cached image does not serve the
@@ -315,7 +395,8 @@ async fn a_private_image_needs_the_right_pull_secret() {
 
 #[tokio::test]
 async fn a_moved_tag_never_moves_a_snapshot_even_when_the_cache_lost_it() {
-    let mut reg = Registry::start();
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
     let sys = system("img-moved").await;
     // `push` (in start) sets the tag `moving` to busybox:1's image.
     let (moving, d1) = reg.image("busybox:moving");
@@ -349,7 +430,10 @@ async fn a_moved_tag_never_moves_a_snapshot_even_when_the_cache_lost_it() {
         fresh.status.unwrap().image_digest.as_deref(),
         Some(d2.as_str())
     );
-    assert_eq!(sys.exec("fresh", "cat /etc/ramify-image").1, "busybox v2");
+    assert_eq!(
+        exec_ok(&sys, "fresh", "cat /etc/ramify-image"),
+        "busybox v2"
+    );
     // A branch restores the snapshot's image, not the tag's.
     // As the operator makes branches: the parent's (moving) image, restoreFrom.
     let branch = |name: &str| {
@@ -363,7 +447,7 @@ async fn a_moved_tag_never_moves_a_snapshot_even_when_the_cache_lost_it() {
         b1.status.unwrap().image_digest.as_deref(),
         Some(d1.as_str())
     );
-    assert_eq!(sys.exec("b1", "cat /etc/ramify-image").1, "busybox v1");
+    assert_eq!(exec_ok(&sys, "b1", "cat /etc/ramify-image"), "busybox v1");
     // The node loses the image (its source and first branch gone, the cache emptied
     // of it): the next branch pulls it again by digest, never by the tag.
     let dp = DeleteParams::default();
@@ -396,14 +480,15 @@ async fn a_moved_tag_never_moves_a_snapshot_even_when_the_cache_lost_it() {
         b2.status.unwrap().image_digest.as_deref(),
         Some(d1.as_str())
     );
-    assert_eq!(sys.exec("b2", "cat /etc/ramify-image").1, "busybox v1");
+    assert_eq!(exec_ok(&sys, "b2", "cat /etc/ramify-image"), "busybox v1");
     assert!(lost.is_dir(), "pulled again by digest");
     sys.teardown_and_check_clean().await;
 }
 
 #[tokio::test]
 async fn a_multi_arch_index_runs_this_nodes_platform() {
-    let reg = Registry::start();
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
     let sys = system("img-multi").await;
     let (multi, index) = reg.image("multi:1");
     let (_, amd64) = reg.image("busybox:1");
@@ -415,7 +500,7 @@ async fn a_multi_arch_index_runs_this_nodes_platform() {
         Some(amd64.as_str())
     );
     assert_ne!(index, amd64);
-    assert_eq!(sys.exec("m", "cat /etc/ramify-image").1, "busybox v1");
+    assert_eq!(exec_ok(&sys, "m", "cat /etc/ramify-image"), "busybox v1");
     let (code, _) = sys.exec("m", "test -e /etc/ramify-platform");
     assert_ne!(code, 0, "the arm64 image's marker is not there");
     sys.teardown_and_check_clean().await;
@@ -423,7 +508,8 @@ async fn a_multi_arch_index_runs_this_nodes_platform() {
 
 #[tokio::test]
 async fn whiteouts_and_opaque_directories_hide_lower_layers() {
-    let reg = Registry::start();
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
     let sys = system("img-wh").await;
     let (wh, _) = reg.image("whiteout:1");
     sys.apply(&image_sandbox(
@@ -432,8 +518,8 @@ async fn whiteouts_and_opaque_directories_hide_lower_layers() {
         "  command: [\"/bin/sh\", \"-c\", \"sleep 3600\"]\n",
     ));
     running(&sys, "w", 180).await;
-    assert_eq!(sys.exec("w", "ls /data").1, "keep.txt");
-    assert_eq!(sys.exec("w", "ls /opaque").1, "new.txt");
+    assert_eq!(exec_ok(&sys, "w", "ls /data"), "keep.txt");
+    assert_eq!(exec_ok(&sys, "w", "ls /opaque"), "new.txt");
     sys.teardown_and_check_clean().await;
 }
 
@@ -461,7 +547,8 @@ fn escapes(sys: &System) -> Vec<PathBuf> {
 
 #[tokio::test]
 async fn hostile_layers_are_refused_or_contained() {
-    let reg = Registry::start();
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
     let sys = system("img-hostile").await;
     let cmd = "  command: [\"/bin/sh\", \"-c\", \"sleep 3600\"]\n";
     for kind in ["dotdot", "symlink", "hardlink"] {
@@ -499,10 +586,14 @@ async fn hostile_layers_are_refused_or_contained() {
         .0,
         0
     );
-    let (code, mode) = sys.exec("setuid", "stat -c %a /bin/ramify-setuid /bin/ramify-setgid");
-    assert_eq!((code, mode.as_str()), (0, "755\n755"));
-    assert_eq!(sys.exec("manyfiles", "ls /many/d042 | wc -l").1, "100");
-    assert_eq!(sys.exec("manyfiles", "ls /many | wc -l").1, "100");
+    let mode = exec_ok(
+        &sys,
+        "setuid",
+        "stat -c %a /bin/ramify-setuid /bin/ramify-setgid",
+    );
+    assert_eq!(mode, "755\n755");
+    assert_eq!(exec_ok(&sys, "manyfiles", "ls /many/d042 | wc -l"), "100");
+    assert_eq!(exec_ok(&sys, "manyfiles", "ls /many | wc -l"), "100");
     let left = escapes(&sys);
     assert!(left.is_empty(), "written outside the cache: {left:?}");
     // Nothing of the refused pulls is left half-made.
@@ -516,6 +607,7 @@ async fn hostile_layers_are_refused_or_contained() {
 
 #[tokio::test]
 async fn an_invalid_image_reference_is_refused_by_the_schema() {
+    let _serial = SERIAL.lock().await;
     let sys = system("img-invalid").await;
     for bad in ["UPPER/case:1", "a b", "repo@sha256:xyz"] {
         let out = sys
@@ -528,5 +620,58 @@ async fn an_invalid_image_reference_is_refused_by_the_schema() {
         assert!(!out.success, "{bad} accepted");
         assert!(out.stderr.contains("spec.image"), "{bad}: {}", out.stderr);
     }
+    sys.teardown_and_check_clean().await;
+}
+
+/// The realistic image: its first pull and start, a start with its layers cached, and
+/// the disk N sandboxes of it take (the figures are printed; the assertions are that
+/// the cache holds one copy whatever N).
+#[tokio::test]
+async fn the_workspace_image_pulls_once_and_n_sandboxes_share_one_copy() {
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
+    let sys = system("img-ws").await;
+    let (ws, digest) = reg.image("workspace:py");
+    let t0 = Instant::now();
+    sys.apply(&image_sandbox("ws0", &ws, ""));
+    let sb = running(&sys, "ws0", 600).await;
+    let first = t0.elapsed();
+    assert_eq!(
+        sb.status.unwrap().image_digest.as_deref(),
+        Some(digest.as_str())
+    );
+    assert_eq!(
+        exec_ok(
+            &sys,
+            "ws0",
+            "python3 -c 'import sqlite3; print(sqlite3.sqlite_version_info[0])'"
+        ),
+        "3"
+    );
+    // Debian's setuid binaries lost their bits in the cache.
+    let su = exec_ok(&sys, "ws0", "stat -c %a /bin/su");
+    assert_eq!(su, "755");
+    let one = du(&cache_dir(&sys));
+    const N: usize = 4;
+    let mut cached = Vec::new();
+    for i in 1..N {
+        let t = Instant::now();
+        sys.apply(&image_sandbox(&format!("ws{i}"), &ws, ""));
+        running(&sys, &format!("ws{i}"), 120).await;
+        cached.push(t.elapsed().as_millis());
+    }
+    let n = du(&cache_dir(&sys));
+    assert_eq!(one, n, "{N} sandboxes of one image use one copy of it");
+    let layers = du(&cache_dir(&sys).join("layers"));
+    let sandboxes = du_own(&sys.state_dir.join("engine/sandboxes"));
+    eprintln!(
+        "workspace:py ({} bytes compressed): first pull+unpack+start {} ms; starts with layers cached {:?} ms; cache {} bytes (layers {} bytes; the rootfs is hard links) for 1 and for {N} sandboxes; the {N} sandboxes' own directories {} bytes",
+        reg.size("workspace:py"),
+        first.as_millis(),
+        cached,
+        n,
+        layers,
+        sandboxes
+    );
     sys.teardown_and_check_clean().await;
 }
