@@ -828,6 +828,11 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
         (&agent, "delete", "snapshots.ramify.dev", all, false),
         (&agent, "patch", "branchsets.ramify.dev", all, false),
         (&agent, "patch", "branchsets.ramify.dev/status", all, false),
+        // The image pull Secrets a Sandbox names, each by name: get, never list/watch.
+        (&agent, "get", "secrets", all, true),
+        (&agent, "list", "secrets", all, false),
+        (&agent, "watch", "secrets", all, false),
+        (&agent, "update", "secrets", all, false),
         (&agent, "update", "leases.coordination.k8s.io", here, true),
         (&agent, "list", "leases.coordination.k8s.io", here, false),
         (&agent, "create", "leases.coordination.k8s.io", other, false),
@@ -864,6 +869,10 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
             ("update", "customresourcedefinitions.apiextensions.k8s.io"),
             ("delete", "namespaces"),
         ] {
+            // The agent's one exception (see above).
+            if sa == &agent && (verb, resource) == ("get", "secrets") {
+                continue;
+            }
             for scope in [all, here] {
                 assert!(
                     !can_i(&cp, sa, verb, resource, scope),
