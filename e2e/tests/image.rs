@@ -675,3 +675,74 @@ async fn the_workspace_image_pulls_once_and_n_sandboxes_share_one_copy() {
     );
     sys.teardown_and_check_clean().await;
 }
+
+/// The whole flow on an image: a Sandbox from workspace:py, a BranchSet forks it (its
+/// branches restore the snapshot's image), the passing branch commits into the parent.
+#[tokio::test]
+async fn a_branchset_forks_and_commits_a_sandbox_from_an_image() {
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
+    let sys = system("img-bs").await;
+    let (ws, digest) = reg.image("workspace:py");
+    sys.apply(&image_sandbox(
+        "workspace",
+        &ws,
+        "  command: [\"/bin/sh\", \"-c\", \"echo mode=slow > /work/app.conf; exec sleep infinity\"]\n",
+    ));
+    running(&sys, "workspace", 600).await;
+    sys.apply(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: try-fixes
+spec:
+  source: {sandbox: workspace}
+  branches:
+    - name: fix-a
+      run: ["/bin/sh", "-c", "echo mode=broken > /work/app.conf"]
+    - name: fix-b
+      run: ["/bin/sh", "-c", "python3 -c \"open('/work/app.conf','w').write('mode=fast\\n')\""]
+  verdict:
+    command: ["/bin/sh", "-c", "grep -q mode=fast /work/app.conf"]
+  timeoutSeconds: 120
+"#,
+    );
+    let bs = sys
+        .wait_branchset("try-fixes", "ended", 240, |b: &ramify_crds::BranchSet| {
+            b.status.as_ref().is_some_and(|s| {
+                matches!(
+                    s.phase,
+                    ramify_crds::BranchSetPhase::Committed
+                        | ramify_crds::BranchSetPhase::Exhausted
+                        | ramify_crds::BranchSetPhase::Failed
+                )
+            })
+        })
+        .await;
+    let st = bs.status.unwrap();
+    assert_eq!(st.phase, ramify_crds::BranchSetPhase::Committed, "{st:#?}");
+    assert_eq!(st.winner.as_deref(), Some("fix-b"));
+    sys.wait_branches_gone("try-fixes", 60).await;
+    assert_eq!(
+        exec_ok(&sys, "workspace", "cat /work/app.conf"),
+        "mode=fast"
+    );
+    let parent = sys
+        .sandboxes()
+        .get("workspace")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(parent.commits, 1);
+    assert_eq!(parent.image_digest.as_deref(), Some(digest.as_str()));
+    let snaps: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let snap = snaps
+        .get(&st.snapshot.unwrap())
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(snap.image_digest.as_deref(), Some(digest.as_str()));
+    sys.teardown_and_check_clean().await;
+}
