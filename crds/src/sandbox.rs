@@ -30,23 +30,36 @@ use crate::common::{Condition, EnvVar};
 )]
 #[x_kube(
     validation = Rule::new("has(self.image) != has(self.rootfs)").message("exactly one of spec.image or spec.rootfs must be set").field_path(".rootfs"),
-    validation = Rule::new("has(self.restoreFrom) || (has(self.command) && size(self.command) > 0)").message("spec.command must not be empty unless spec.restoreFrom is set (a restored sandbox continues its snapshotted processes)").field_path(".command"),
+    validation = Rule::new("has(self.restoreFrom) || has(self.image) || (has(self.command) && size(self.command) > 0)").message("spec.command must not be empty unless spec.restoreFrom is set (a restored sandbox continues its snapshotted processes) or spec.image is (its config supplies the command)").field_path(".command"),
     validation = Rule::new("has(self.restoreFrom) == has(oldSelf.restoreFrom) && (!has(self.restoreFrom) || self.restoreFrom == oldSelf.restoreFrom)").message("spec.restoreFrom is immutable").field_path(".restoreFrom"),
     validation = Rule::new("has(self.image) == has(oldSelf.image) && (!has(self.image) || self.image == oldSelf.image) && has(self.rootfs) == has(oldSelf.rootfs) && (!has(self.rootfs) || self.rootfs == oldSelf.rootfs)").message("spec.image and spec.rootfs are immutable").field_path(".rootfs"),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxSpec {
-    /// OCI image reference used as the read-only lower root filesystem (cluster mode:
-    /// mounted as an image volume). Exactly one of `image` or `rootfs` is set.
+    /// A container image (`registry/repository:tag` or `...@sha256:...`) whose layers
+    /// become the sandbox's read-only root filesystem; the node agent pulls it. Its
+    /// config supplies the command, environment, working directory and user the spec
+    /// leaves out. Exactly one of `image` or `rootfs` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(format!("self.matches('{}')", crate::image::IMAGE_REFERENCE_PATTERN.replace('\\', "\\\\"))).message("spec.image must be an image reference such as registry.example:5000/team/app:1.2 or repo@sha256:<64 hex digits> (lowercase repository, optional host, tag and digest)"))]
     #[schemars(length(min = 1, max = 1024))]
     pub image: Option<String>,
+    /// When the registry is asked for `image` (like a Pod's): `Always` for `:latest`
+    /// or no tag, `IfNotPresent` otherwise, unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<crate::image::ImagePullPolicy>,
+    /// Secrets of type `kubernetes.io/dockerconfigjson` in this namespace holding the
+    /// registry credentials for `image` (like a Pod's). The node agent reads only the
+    /// Secrets named here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Vec<crate::image::ImagePullSecret>,
     /// A root filesystem the cluster administrator declared (a `RootfsClass`), for
     /// standalone mode. Exactly one of `image` or `rootfs` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rootfs: Option<Rootfs>,
     /// The command of the sandbox's first process (argv). Required unless `restoreFrom`
-    /// is set.
+    /// is set, or `image` is (then the image's entrypoint and cmd are the default).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 256))]
     pub command: Vec<String>,
@@ -281,6 +294,11 @@ pub struct SandboxStatus {
     /// Present when the sandbox was restored: which snapshot and which runsc version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restored_from: Option<RestoredFrom>,
+    /// For a sandbox from `spec.image`: the digest of the image manifest it runs
+    /// (for a multi-platform index, the manifest of this node's platform). Snapshots
+    /// record it; their branches restore exactly this image, never a newer tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_digest: Option<String>,
     /// The identity written to `/run/ramify/identity`: unique per sandbox and per fork.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,

@@ -132,6 +132,14 @@ pub struct SnapshotStatus {
     /// point. A branch of this snapshot commits only if its parent is still there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_commit_generation: Option<i64>,
+    /// For a source started from `spec.image`: the image it runs, pinned by digest
+    /// (`repository@sha256:...`). Every restore uses exactly this image (pulled again
+    /// by digest if the node no longer has it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The digest of that image's manifest (the source's `status.imageDigest`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_digest: Option<String>,
     /// Warm pool state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<WarmStatus>,

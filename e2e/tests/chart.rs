@@ -452,7 +452,14 @@ fn defaults_render_the_documented_deployment() {
                 );
             }
             let resources = strings(&rule["resources"]);
-            for forbidden in ["secrets", "pods", "pods/exec", "nodes", "configmaps"] {
+            // One exception: the node agent gets (never lists or watches) the image
+            // pull Secrets a Sandbox names, in a rule of its own.
+            if resources.contains(&"secrets") {
+                assert_eq!(o["metadata"]["name"], "ramify-node-agent", "{rule}");
+                assert_eq!(resources, ["secrets"], "{rule}");
+                assert_eq!(strings(&rule["verbs"]), ["get"], "{rule}");
+            }
+            for forbidden in ["pods", "pods/exec", "nodes", "configmaps"] {
                 assert!(
                     !resources.contains(&forbidden),
                     "{} grants {forbidden}",
@@ -821,6 +828,11 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
         (&agent, "delete", "snapshots.ramify.dev", all, false),
         (&agent, "patch", "branchsets.ramify.dev", all, false),
         (&agent, "patch", "branchsets.ramify.dev/status", all, false),
+        // The image pull Secrets a Sandbox names, each by name: get, never list/watch.
+        (&agent, "get", "secrets", all, true),
+        (&agent, "list", "secrets", all, false),
+        (&agent, "watch", "secrets", all, false),
+        (&agent, "update", "secrets", all, false),
         (&agent, "update", "leases.coordination.k8s.io", here, true),
         (&agent, "list", "leases.coordination.k8s.io", here, false),
         (&agent, "create", "leases.coordination.k8s.io", other, false),
@@ -857,6 +869,10 @@ async fn installed_rbac_grants_what_is_needed_and_nothing_more() {
             ("update", "customresourcedefinitions.apiextensions.k8s.io"),
             ("delete", "namespaces"),
         ] {
+            // The agent's one exception (see above).
+            if sa == &agent && (verb, resource) == ("get", "secrets") {
+                continue;
+            }
             for scope in [all, here] {
                 assert!(
                     !can_i(&cp, sa, verb, resource, scope),

@@ -85,6 +85,9 @@ pub enum Error {
     Join(String),
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// Pulling or unpacking a Sandbox's `spec.image` (see [`crate::image`]).
+    #[error(transparent)]
+    Image(#[from] crate::image::ImageError),
     /// A guarded status write lost to another writer (409); re-read and retried.
     #[error("conflict writing {0}: another writer was first")]
     Conflict(String),
@@ -114,6 +117,8 @@ impl Error {
             Error::Join(_) => "task",
             Error::Kube(e) => ramify_runtime::backoff::kube_category(e).unwrap_or("kube_api"),
             Error::Conflict(_) => "conflict",
+            Error::Image(e) if e.is_permanent() => "image_refused",
+            Error::Image(_) => "image_pull",
         }
     }
 
@@ -122,6 +127,9 @@ impl Error {
     /// which change under it (a file the workload rewrites while a Paths commit packs
     /// it fails the tarball check once and passes on a retry), so they back off.
     pub fn is_permanent(&self) -> bool {
+        if let Error::Image(e) = self {
+            return e.is_permanent();
+        }
         !matches!(self, Error::Invalid(_)) && ramify_runtime::backoff::is_permanent(self.category())
     }
 

@@ -23,6 +23,7 @@ pub mod error;
 pub mod exit_reason;
 pub mod fault;
 pub mod freezer;
+pub mod image;
 pub mod placement;
 pub mod platform;
 pub mod private;

@@ -133,6 +133,20 @@ struct RootfsArgs {
     cache: PathBuf,
 }
 
+/// Where `spec.image` is pulled from.
+#[derive(clap::Args, Clone)]
+struct RegistryArgs {
+    /// Registries `spec.image` is pulled from over plain HTTP (repeatable or
+    /// comma-separated): `HOST:PORT`, or `loopback` for every registry on
+    /// 127.0.0.0/8, `localhost` or `[::1]`. All others are HTTPS.
+    #[arg(
+        long = "insecure-registry",
+        env = "RAMIFY_INSECURE_REGISTRIES",
+        value_delimiter = ','
+    )]
+    insecure: Vec<String>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the node agent.
@@ -169,7 +183,9 @@ enum Command {
         #[command(flatten)]
         capacity_args: Box<CapacityArgs>,
         #[command(flatten)]
-        rootfs: RootfsArgs,
+        rootfs: Box<RootfsArgs>,
+        #[command(flatten)]
+        registries: Box<RegistryArgs>,
         /// Log as JSON.
         #[arg(long, env = "RAMIFY_LOG_JSON", default_value_t = false)]
         log_json: bool,
@@ -360,6 +376,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             cgroup_parent,
             capacity_args,
             rootfs,
+            registries,
             log_json,
             endpoint,
         } => {
@@ -453,6 +470,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     system_namespace,
                     allocatable,
                     max_restores,
+                    registries: ramify_node_agent::image::RegistryConfig {
+                        insecure: registries.insecure,
+                    },
                 },
                 registry,
                 metrics,

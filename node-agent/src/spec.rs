@@ -38,6 +38,10 @@ pub struct WorkloadSpec {
     pub cwd: String,
     pub hostname: String,
     pub resources: Resources,
+    /// Uid and gid of the first process (an image config's `User`); root when unset.
+    /// Absent from images recorded before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<(u32, u32)>,
 }
 
 impl WorkloadSpec {
@@ -109,7 +113,7 @@ pub fn oci_config(w: &WorkloadSpec, p: &BundleParams<'_>) -> Value {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": false,
-            "user": {"uid": 0, "gid": 0},
+            "user": {"uid": w.user.map_or(0, |u| u.0), "gid": w.user.map_or(0, |u| u.1)},
             "args": w.args,
             "env": env,
             "cwd": w.cwd,
@@ -163,6 +167,7 @@ mod tests {
             env: vec![("A".into(), "b".into())],
             cwd: "/".into(),
             hostname: "h".into(),
+            user: None,
             resources: Resources {
                 cpu_millis: Some(500),
                 memory_bytes: Some(256 << 20),

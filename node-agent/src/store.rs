@@ -424,6 +424,7 @@ mod tests {
                 env: vec![],
                 cwd: "/".into(),
                 hostname: "h".into(),
+                user: None,
                 resources: Resources::default(),
             },
             egress_allow: vec![],

@@ -725,6 +725,7 @@ fn snapshot_verification_does_not_follow_block_or_stream() {
             env: vec![],
             cwd: "/".into(),
             hostname: "h".into(),
+            user: None,
             resources: Default::default(),
         },
         egress_allow: vec![],

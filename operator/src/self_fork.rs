@@ -106,6 +106,8 @@ mod tests {
             "ws",
             SandboxSpec {
                 image: None,
+                image_pull_policy: None,
+                image_pull_secrets: vec![],
                 rootfs: None,
                 command: vec!["/bin/sh".into()],
                 env: vec![],

@@ -16,6 +16,7 @@ pub mod commit_guard;
 pub mod decided;
 pub mod endpoint;
 mod exit;
+pub mod images;
 pub mod lease;
 pub mod metrics;
 pub mod pools;
@@ -66,6 +67,8 @@ pub struct AgentConfig {
     pub allocatable: ramify_crds::capacity::Requests,
     /// Restores (and fresh starts) run at once.
     pub max_restores: usize,
+    /// Which registries `spec.image` pulls speak plain HTTP to.
+    pub registries: crate::image::RegistryConfig,
 }
 
 type Handle = Arc<AsyncMutex<Option<LocalSandbox>>>;
@@ -105,6 +108,10 @@ pub struct Agent {
     /// The controllers' per-object backoff, and their reports of permanent failures
     /// (naming this node).
     settler: ramify_runtime::settle::Settler,
+    /// The image cache (`spec.image`), opened on first use.
+    images: std::sync::OnceLock<Arc<crate::image::ImageStore>>,
+    /// Wakes the image cache's GC (a sandbox or snapshot went).
+    image_gc_kick: tokio::sync::Notify,
 }
 
 /// What the agent's watches hold: its node's Snapshots and BranchSets, and the
@@ -168,6 +175,8 @@ impl Agent {
             reported: Mutex::new(HashSet::new()),
             unreported: Mutex::new(HashMap::new()),
             settler,
+            images: std::sync::OnceLock::new(),
+            image_gc_kick: tokio::sync::Notify::new(),
         }
     }
 
@@ -369,9 +378,11 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         .for_each(|_| futures::future::ready(()));
     let sweep = tokio::spawn(agent.clone().sweep_admission());
     let self_forks = tokio::spawn(agent.clone().sweep_self_forks());
+    let image_gc = tokio::spawn(agent.clone().image_gc_loop());
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);
     sweep.abort();
     self_forks.abort();
+    image_gc.abort();
     Ok(())
 }

@@ -57,6 +57,10 @@ impl Agent {
         if let Some(rf) = old.restored_from.clone() {
             st["restoredFrom"] = json!(rf);
         }
+        // Every write of this manager carries it (a field left out is given up).
+        if let Some(d) = old.image_digest.clone() {
+            st["imageDigest"] = json!(d);
+        }
         if let Some(code) = old.exit_code {
             st["exitCode"] = json!(code);
         }
@@ -164,6 +168,10 @@ impl Agent {
                 None => info!("deleted sandbox has no local handle"),
             }
             self.registry.remove_sandbox(&uid)?;
+            if obj.spec.image.is_some() {
+                // Its image may be unused now.
+                self.image_gc_kick.notify_one();
+            }
             // Its room goes to whoever waits, now that nothing of it runs.
             self.admission.release(&uid);
             self.publish_capacity();

@@ -37,6 +37,13 @@ impl Agent {
             if let Some(rec) = self.registry.snapshot(&uid)? {
                 self.engine.store().remove(&rec.image_id)?;
                 self.registry.remove_snapshot(&uid)?;
+                if snap
+                    .status
+                    .as_ref()
+                    .is_some_and(|s| s.image_digest.is_some())
+                {
+                    self.image_gc_kick.notify_one();
+                }
             }
             self.release_finalizer(snap).await?;
             return Ok(Action::await_change());
@@ -175,6 +182,8 @@ impl Agent {
                 .capacity
                 .enter(&reservation, &group, (0, String::new()), asks)
             {
+                // Its branches need the snapshot's image on the node (by digest).
+                self.ensure_snapshot_image(&[], snap).await?;
                 let pool = self.engine.warm_pool_gated(
                     &rec.image_id,
                     want,
@@ -262,6 +271,16 @@ impl Agent {
             "capturedAt": Time(Timestamp::from_millisecond(i64::try_from(meta.created_unix_ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::now())),
             "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
         });
+        // A source from `spec.image`: the image its restores must use, by digest.
+        let mut body = body;
+        if let Ok(store) = self.images()
+            && let Some(digest) = store.digest_of_rootfs(&meta.rootfs)
+        {
+            if let Some(rec) = store.record(&digest) {
+                body["image"] = json!(format!("{}@{digest}", rec.repository));
+            }
+            body["imageDigest"] = json!(digest);
+        }
         writes::status(
             &api,
             &snap.name_any(),

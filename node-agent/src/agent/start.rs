@@ -47,6 +47,7 @@ pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
             .collect(),
         cwd: sbx.spec.working_dir.clone().unwrap_or_else(|| "/".into()),
         hostname: sbx.name_any().chars().take(63).collect(),
+        user: None,
         resources: Resources {
             cpu_millis: res.cpu.as_deref().and_then(cpu_millis),
             memory_bytes: res.memory.as_deref().and_then(memory_bytes),
@@ -86,20 +87,39 @@ impl Agent {
             None => match self.fresh_source(obj).await {
                 // A failed API read is not the sandbox's fault: retried, not Failed.
                 Err(e @ Error::Kube(_)) => return Err(e),
+                // A pull the registry refused or failed: retried with backoff (its
+                // status says ErrImagePull / ImagePullBackOff); nothing was started.
+                Err(Error::Image(e)) if !e.is_permanent() => return Err(Error::Image(e)),
                 Err(e) => Err(e),
-                Ok((class, source)) => {
-                    self.write_sandbox_status(
-                        obj,
-                        SandboxPhase::Starting,
-                        None,
-                        (false, "Starting", "starting".into()),
-                        json!({}),
-                    )
-                    .await?;
-                    self.start_fresh(obj, source.clone())
-                        .await
-                        .map(|sb| (sb, json!({}), None))
-                        .map_err(|e| rootfs_class::name_the_field(&class, &source, e))
+                Ok((class, source, image)) => {
+                    let extra = match &image {
+                        Some(p) => json!({"imageDigest": p.digest}),
+                        None => json!({}),
+                    };
+                    let workload = match &image {
+                        Some(p) => super::images::workload_with_image(workload_of(obj), obj, p),
+                        None => Ok(workload_of(obj)),
+                    };
+                    match workload {
+                        Err(e) => Err(e),
+                        Ok(workload) => {
+                            self.write_sandbox_status(
+                                obj,
+                                SandboxPhase::Starting,
+                                None,
+                                (false, "Starting", "starting".into()),
+                                extra.clone(),
+                            )
+                            .await?;
+                            self.start_fresh(obj, source.clone(), workload)
+                                .await
+                                .map(|sb| (sb, extra, None))
+                                .map_err(|e| match &image {
+                                    Some(_) => e,
+                                    None => rootfs_class::name_the_field(&class, &source, e),
+                                })
+                        }
+                    }
                 }
             },
         };
@@ -140,6 +160,7 @@ impl Agent {
                 let reason = match &e {
                     Error::RootfsRefused(_) => REASON_ROOTFS_REFUSED,
                     Error::PlatformMismatch { .. } => ramify_crds::REASON_PLATFORM_MISMATCH,
+                    Error::Image(ie) => ie.reason(),
                     _ if obj.spec.restore_from.is_some() => "RestoreFailed",
                     _ => "StartFailed",
                 };
@@ -200,25 +221,37 @@ impl Agent {
         Ok(Action::requeue(Duration::from_secs(10)))
     }
 
-    /// Which RootfsClass a fresh sandbox names, and what it points to.
-    async fn fresh_source(&self, obj: &SandboxObj) -> Result<(String, RootfsSource)> {
+    /// Which RootfsClass a fresh sandbox names and what it points to, or the image it
+    /// names, pulled (its composed rootfs lies in the rootfs cache).
+    async fn fresh_source(
+        &self,
+        obj: &SandboxObj,
+    ) -> Result<(String, RootfsSource, Option<crate::image::PulledImage>)> {
         match (&obj.spec.rootfs, &obj.spec.image) {
-            (Some(r), _) => rootfs_class::source_of(&self.client, r).await,
-            (None, Some(image)) => Err(Error::Invalid(format!(
-                "spec.image {image:?} needs cluster mode (an image volume); this node runs standalone: use spec.rootfs.class"
-            ))),
+            (Some(r), _) => rootfs_class::source_of(&self.client, r)
+                .await
+                .map(|(c, s)| (c, s, None)),
+            (None, Some(image)) => {
+                let p = self.pull_for(obj, image).await?;
+                Ok((image.clone(), RootfsSource::Dir(p.rootfs.clone()), Some(p)))
+            }
             (None, None) => Err(Error::Invalid(
                 "neither spec.rootfs nor spec.image is set".into(),
             )),
         }
     }
 
-    async fn start_fresh(&self, obj: &SandboxObj, rootfs: RootfsSource) -> Result<LocalSandbox> {
+    async fn start_fresh(
+        &self,
+        obj: &SandboxObj,
+        rootfs: RootfsSource,
+        workload: WorkloadSpec,
+    ) -> Result<LocalSandbox> {
         self.engine
             .start(StartRequest {
                 name: obj.name_any(),
                 rootfs,
-                workload: workload_of(obj),
+                workload,
                 egress_allow: egress_of(obj)?,
             })
             .await
@@ -315,6 +348,10 @@ impl Agent {
                 // Running). The note goes out while the restore runs, not before it,
                 // and a failed note never costs the restored sandbox: it is reported
                 // Running (or Failed) next anyway.
+                // The image the snapshot pins, pulled again by digest if this node
+                // lost it (never a newer tag).
+                self.ensure_snapshot_image(&obj.spec.image_pull_secrets, &snap)
+                    .await?;
                 let (noted, sb) = futures::join!(
                     self.write_sandbox_status(
                         obj,
@@ -339,12 +376,15 @@ impl Agent {
                 (sb, false)
             }
         };
-        let extra = json!({"restoredFrom": {
+        let mut extra = json!({"restoredFrom": {
             "snapshot": rf.snapshot,
             "runscVersion": short_version(self.engine.runsc().version()),
             "sha256": st.sha256,
             "warm": was_warm,
         }});
+        if let Some(d) = &st.image_digest {
+            extra["imageDigest"] = json!(d);
+        }
         Ok((sb, extra, Some(rec.source_commit_generation)))
     }
 

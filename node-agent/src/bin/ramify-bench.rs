@@ -75,6 +75,7 @@ fn workload(dirty_mib: u64) -> WorkloadSpec {
         env: vec![("PATH".into(), "/bin".into())],
         cwd: "/".into(),
         hostname: "bench".into(),
+        user: None,
         resources: Resources {
             cpu_millis: None,
             memory_bytes: Some(2 << 30),

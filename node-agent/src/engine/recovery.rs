@@ -99,6 +99,7 @@ impl Engine {
                 env: vec![],
                 cwd: "/".into(),
                 hostname: String::new(),
+                user: None,
                 resources: Default::default(),
             },
             egress_allow: vec![],

@@ -230,6 +230,7 @@ impl Harness {
             env: vec![("PATH".into(), "/bin".into())],
             cwd: "/".into(),
             hostname: "sandbox".into(),
+            user: None,
             resources: Resources {
                 cpu_millis: Some(1000),
                 memory_bytes: Some(512 << 20),

@@ -58,6 +58,10 @@ pub(super) fn branch_sandbox(
     let name = branch_sandbox_name(&bs_name, branch);
     let spec = SandboxSpec {
         image: parent.spec.image.clone(),
+        // The branch restores the snapshot's image by digest; these say how to pull it
+        // again should its node have lost it.
+        image_pull_policy: parent.spec.image_pull_policy,
+        image_pull_secrets: parent.spec.image_pull_secrets.clone(),
         rootfs: parent.spec.rootfs.clone(),
         command: Vec::new(),
         env: parent.spec.env.clone(),

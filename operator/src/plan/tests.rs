@@ -77,6 +77,8 @@ fn branch(name: &str, phase: SandboxPhase, verdict: Option<(VerdictValue, i64)>)
         &format!("bs-{name}"),
         SandboxSpec {
             image: None,
+            image_pull_policy: None,
+            image_pull_secrets: vec![],
             rootfs: None,
             command: vec![],
             env: vec![],
