@@ -86,9 +86,9 @@ pub fn parse_manifest(out: &str) -> Result<(Manifest, Vec<String>)> {
             skipped_more += 1;
         }
     };
-    // The end mark counts the files listed: a manifest cut short (an exec that lost its
-    // output, a failed step) would otherwise read as "every file was deleted", and a
-    // commit would delete them in the parent.
+    // The end mark, printed once every step succeeded, says the manifest is whole: one
+    // cut short (an exec that lost its output, a failed step) would otherwise read as
+    // "every file was deleted", and a commit would delete them in the parent.
     let (mut listed, mut s_lines, mut h_lines) = (None::<usize>, 0usize, 0usize);
     for line in out.lines() {
         let bad = || Error::Invalid(format!("manifest line not understood: {:?}", shown(line)));
@@ -128,9 +128,12 @@ pub fn parse_manifest(out: &str) -> Result<(Manifest, Vec<String>)> {
                 "the sandbox's file manifest ended early (no end mark): not trusted".into(),
             ));
         }
-        Some(n) if n != s_lines || n != h_lines => {
+        // Fewer sized or hashed lines than listed are legitimate (a name with a newline
+        // spans two listed lines and stats as neither; a file deleted meanwhile has no
+        // hash); more are not.
+        Some(n) if s_lines > n || h_lines > n => {
             return Err(Error::Invalid(format!(
-                "the sandbox's file manifest is incomplete: {n} files listed, {s_lines} sized, {h_lines} hashed (files changing while it ran?)"
+                "the sandbox's file manifest does not add up: {n} files listed, {s_lines} sized, {h_lines} hashed"
             )));
         }
         Some(_) => {}
@@ -458,13 +461,16 @@ mod tests {
                 .to_string()
                 .contains("end mark")
         );
-        let short = format!("S 3 /w/a\nH {H1} /w/a\nS 1 /w/b\nE 2\n");
+        let garbled = format!("S 3 /w/a\nH {H1} /w/a\nS 1 /w/b\nH {H1} /w/b\nE 1\n");
         assert!(
-            parse_manifest(&short)
+            parse_manifest(&garbled)
                 .unwrap_err()
                 .to_string()
-                .contains("incomplete")
+                .contains("does not add up")
         );
+        // A file deleted between its stat and its hash is left out, as before.
+        let raced = format!("S 3 /w/a\nH {H1} /w/a\nS 1 /w/b\nE 2\n");
+        assert_eq!(parse_manifest(&raced).unwrap().0.len(), 1);
         // An empty root is a real, complete manifest.
         assert!(parse_manifest("E 0\n").unwrap().0.is_empty());
     }
