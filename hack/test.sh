@@ -42,7 +42,7 @@ cargo build --workspace --bins --locked
 step "cargo test --workspace (node agent on Debian's runsc: $(runsc --version | head -1))"
 results="$(mktemp)"
 # The fault matrix runs on its own below, with its table printed.
-cargo test --workspace --locked -- --include-ignored --skip every_component_killed_at_every_step --skip sdk_fork_bench 2>&1 | tee -a "$results"
+cargo test --workspace --locked -- --include-ignored --skip every_component_killed_at_every_step 2>&1 | tee -a "$results"
 
 step "fault matrix: node agent, operator and API server killed at every step"
 cargo test -p ramify-e2e --locked --test faults -- --nocapture 2>&1 | grep -v '^fault: ' | tee -a "$results"

@@ -27,16 +27,19 @@ fn venv_bin(tool: &str) -> PathBuf {
     p
 }
 
+/// `tool` of the venv, in `sdk/python`, importing this checkout's SDK (whichever
+/// checkout the venv's editable install points at), with `env` added.
+fn sdk_command(tool: &str, env: &[(&str, String)]) -> Command {
+    let mut c = Command::new(venv_bin(tool));
+    c.env("PYTHONPATH", repo_root().join("sdk/python/src"))
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .current_dir(repo_root().join("sdk/python"));
+    c
+}
+
 /// Runs `tool args` in `sdk/python`, printing its output; panics unless it succeeds.
 fn run(tool: &str, args: &[&str], env: &[(&str, String)]) {
-    let out = Command::new(venv_bin(tool))
-        .args(args)
-        // This checkout's SDK, whichever checkout the venv's editable install points at.
-        .env("PYTHONPATH", repo_root().join("sdk/python/src"))
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .current_dir(repo_root().join("sdk/python"))
-        .output()
-        .unwrap();
+    let out = sdk_command(tool, env).args(args).output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -79,16 +82,8 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
         ),
         ("RAMIFY_TEST_NAMESPACE", sys.ns.name.clone()),
         ("RAMIFY_TEST_ROOTFS_CLASS", sys.rootfs_class.clone()),
-        // This checkout's SDK, whichever checkout the venv's editable install names.
-        (
-            "PYTHONPATH",
-            repo_root()
-                .join("sdk/python/src")
-                .to_string_lossy()
-                .into_owned(),
-        ),
     ];
-    let out = Command::new(venv_bin("python"))
+    let out = sdk_command("python", &env)
         .args([
             "-m",
             "pytest",
@@ -98,8 +93,6 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
             "-p",
             "no:cacheprovider",
         ])
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .current_dir(repo_root().join("sdk/python"))
         .output()
         .unwrap();
     let text = format!(
@@ -148,13 +141,6 @@ async fn sdk_fork_bench() {
         ),
         ("RAMIFY_NAMESPACE", sys.ns.name.clone()),
         ("RAMIFY_ROOTFS_CLASS", sys.rootfs_class.clone()),
-        (
-            "PYTHONPATH",
-            repo_root()
-                .join("sdk/python/src")
-                .to_string_lossy()
-                .into_owned(),
-        ),
         ("PATH", path),
     ];
     run("python", &["bench_fork.py", "--runs", "5"], &env);
