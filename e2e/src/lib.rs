@@ -325,6 +325,11 @@ impl Component {
         Ok(())
     }
 
+    /// Its process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// Sets `flag` to `value` for its next start, in place of any value it had.
     pub fn set_flag(&mut self, flag: &str, value: &str) {
         if let Some(i) = self.args.iter().position(|a| a == flag) {

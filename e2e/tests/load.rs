@@ -25,9 +25,12 @@ use ramify_e2e::system::{System, node_leftovers};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The bound on the probes' p99. The issue asks 1 s; on this 2-core machine, shared
-/// with other work, one-off spikes up to 1.9 s were seen with the machine otherwise
-/// idle, so the bound is 3 s and the real p99 is printed.
+/// The issue's bound on the probes' p99: the API server's answers (`/readyz` on a kept
+/// connection, the list of Sandboxes) stay under it.
+const API_P99_BOUND: Duration = Duration::from_secs(1);
+/// The bound on `kubectl get --raw /readyz` as a new process per sample: that also
+/// pays kubectl's start-up and a TLS handshake, which on this 2-core machine shared
+/// with other work (builds) took up to 1 s at p99 by itself (printed as the breakdown).
 const P99_BOUND: Duration = Duration::from_secs(3);
 
 fn wide(name: &str, source: &str) -> String {
@@ -100,6 +103,12 @@ fn p99(v: &[Duration]) -> Duration {
 struct ProbeResult {
     readyz: Vec<Duration>,
     list: Vec<Duration>,
+    /// Where a slow `kubectl get --raw /readyz` spends its time, printed only:
+    /// `kubectl version --client` (the process's start-up alone) and `/readyz` on the
+    /// probe's kept connection (the API server's answer alone).
+    kubectl_start: Vec<Duration>,
+    readyz_kept: Vec<Duration>,
+    load1: Vec<f64>,
     failures: Vec<String>,
     peak_running: usize,
 }
@@ -114,9 +123,10 @@ struct Probe {
 impl Probe {
     fn start(sys: &System, set: &str) -> Probe {
         let stop = Arc::new(AtomicBool::new(false));
-        let (cp, api, set, stop2) = (
+        let (cp, api, client, set, stop2) = (
             sys.cp.clone(),
             sys.sandboxes(),
+            sys.client.clone(),
             set.to_string(),
             stop.clone(),
         );
@@ -140,6 +150,25 @@ impl Probe {
                         .failures
                         .push(format!("readyz: {} {}", o.stdout, o.stderr)),
                     Err(e) => r.failures.push(format!("readyz: {e}")),
+                }
+                let cp2 = cp.clone();
+                let t0 = Instant::now();
+                let _ = tokio::task::spawn_blocking(move || {
+                    cp2.kubectl_run(&["version", "--client"], None)
+                })
+                .await;
+                r.kubectl_start.push(t0.elapsed());
+                let t0 = Instant::now();
+                let req = http::Request::get("/readyz").body(Vec::new());
+                if let Ok(req) = req {
+                    let _ = client.request_text(req).await;
+                    r.readyz_kept.push(t0.elapsed());
+                }
+                if let Some(l) = std::fs::read_to_string("/proc/loadavg")
+                    .ok()
+                    .and_then(|s| s.split_whitespace().next()?.parse().ok())
+                {
+                    r.load1.push(l);
                 }
                 let t0 = Instant::now();
                 match api.list(&ListParams::default()).await {
@@ -174,6 +203,70 @@ impl Probe {
         self.stop.store(true, Ordering::SeqCst);
         self.task.await.unwrap()
     }
+}
+
+/// CPU seconds used so far by each part of a system: the sandboxes (their parent
+/// cgroup), the agent with the processes it ran and reaped (runsc, CNI, iptables), the
+/// operator, the API server and etcd; and the whole machine (other work included).
+fn cpu_seconds(sys: &System) -> BTreeMap<&'static str, f64> {
+    let tick = 100.0; // USER_HZ on Linux
+    let proc_cpu = |pid: Option<u32>| -> f64 {
+        let Some(stat) = pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        else {
+            return 0.0;
+        };
+        // Fields after the command's closing parenthesis: utime is the 12th.
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let f: Vec<f64> = rest
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        f.get(11..15)
+            .map(|t| t.iter().sum::<f64>() / tick)
+            .unwrap_or(0.0)
+    };
+    let pid_file = |name: &str| -> Option<u32> {
+        std::fs::read_to_string(sys.cp.dir.join("run").join(name))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let sandboxes = std::fs::read_to_string(format!(
+        "/sys/fs/cgroup/cpuacct/{}/cpuacct.usage",
+        sys.cgroup_parent()
+    ))
+    .ok()
+    .and_then(|s| s.trim().parse::<f64>().ok())
+    .map(|ns| ns / 1e9)
+    .unwrap_or(0.0);
+    let machine = std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().next()?.to_string();
+            // user nice system (idle iowait excluded) irq softirq steal
+            let f: Vec<f64> = l
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            Some(
+                [0, 1, 2, 5, 6, 7]
+                    .iter()
+                    .filter_map(|i| f.get(*i))
+                    .sum::<f64>()
+                    / tick,
+            )
+        })
+        .unwrap_or(0.0);
+    BTreeMap::from([
+        ("sandboxes", sandboxes),
+        ("agent and its children", proc_cpu(sys.agent.pid())),
+        ("operator", proc_cpu(sys.operator.pid())),
+        ("kube-apiserver", proc_cpu(pid_file("kube-apiserver.pid"))),
+        ("etcd", proc_cpu(pid_file("etcd.pid"))),
+        ("machine", machine),
+    ])
 }
 
 /// What the API server served between two readings, by `verb resource`.
@@ -218,6 +311,7 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
     let _serial = SERIAL.lock().await;
     let (sys, _) = with_workspace("load").await;
     let before = sys.api_requests();
+    let cpu_before = cpu_seconds(&sys);
     let probe = Probe::start(&sys, "wide");
     let t0 = Instant::now();
     sys.apply(&wide("wide", "workspace"));
@@ -225,6 +319,7 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
     let to_committed = t0.elapsed();
     let probed = probe.finish().await;
     let after = sys.api_requests();
+    let cpu_after = cpu_seconds(&sys);
     let st = bs.status.unwrap();
     assert_eq!(st.phase, BranchSetPhase::Committed, "{st:#?}");
     assert_eq!(st.winner.as_deref(), Some("b97"));
@@ -235,7 +330,7 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
 
     let calls = delta(&before, &after);
     // The probe's own requests are not the system's.
-    let probe_calls = (probed.readyz.len() + probed.list.len()) as f64;
+    let probe_calls = (probed.readyz.len() + probed.list.len() + probed.readyz_kept.len()) as f64;
     let total: f64 = calls.iter().map(|(_, v)| v).sum::<f64>() - probe_calls;
     let (r99, l99) = (p99(&probed.readyz), p99(&probed.list));
     println!("100 replicas on 2 cores (sandbox allocatable 1.6 CPU, 500m per branch):");
@@ -253,6 +348,22 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
         probed.list.iter().max().unwrap().as_millis()
     );
     println!(
+        "  readyz breakdown p99: kubectl start-up alone {} ms, /readyz on a kept connection {} ms; load average max {:.1}",
+        p99(&probed.kubectl_start).as_millis(),
+        p99(&probed.readyz_kept).as_millis(),
+        probed.load1.iter().cloned().fold(0.0, f64::max)
+    );
+    println!(
+        "  CPU seconds used during the run ({:.0} s of wall time on 2 cores):",
+        to_committed.as_secs_f64()
+    );
+    for (k, v) in &cpu_after {
+        println!(
+            "    {:>7.1}  {k}",
+            v - cpu_before.get(k).copied().unwrap_or(0.0)
+        );
+    }
+    println!(
         "  API calls: {total:.0} in all, {:.1} per branch; by verb and resource:",
         total / 100.0
     );
@@ -260,7 +371,12 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
         println!("    {v:>6.0}  {k}");
     }
     assert!(probed.failures.is_empty(), "{:#?}", probed.failures);
-    assert!(r99 < P99_BOUND && l99 < P99_BOUND, "p99 {r99:?} / {l99:?}");
+    let kept99 = p99(&probed.readyz_kept);
+    assert!(
+        kept99 < API_P99_BOUND && l99 < API_P99_BOUND,
+        "the API server's p99: /readyz {kept99:?}, list sandboxes {l99:?}"
+    );
+    assert!(r99 < P99_BOUND, "kubectl get --raw /readyz p99 {r99:?}");
     // 1.6 CPU holds the workspace and two 500m branches; a third shows as running for
     // the moment between the agent freezing a decided branch and its verdict landing.
     assert!(
