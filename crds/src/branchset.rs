@@ -91,10 +91,26 @@ pub struct BranchSetSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 32))]
     pub warm_pool_size: Option<i32>,
+    /// Delete the BranchSet this many seconds after it ended (Committed, Exhausted,
+    /// Failed or Conflict) and its effects settled, as a Job's field of the same name:
+    /// its automatic snapshot, image and retained branches go with it, so a loop that
+    /// forks all day does not fill the node. Default 3600 (one hour); at most a year.
+    /// A GitOps tool that re-applies a deleted BranchSet runs it again: set a longer
+    /// value there, or prune it from the repository.
+    #[serde(default = "default_ttl_after_finished")]
+    #[schemars(range(min = 0, max = 31536000))]
+    pub ttl_seconds_after_finished: i32,
 }
 
 fn default_timeout() -> i32 {
     600
+}
+
+/// One hour: long enough to read the outcome, short enough to bound the node's disk.
+pub const DEFAULT_TTL_SECONDS_AFTER_FINISHED: i32 = 3600;
+
+fn default_ttl_after_finished() -> i32 {
+    DEFAULT_TTL_SECONDS_AFTER_FINISHED
 }
 
 /// The source of a BranchSet: exactly one of `sandbox` or `snapshot`.

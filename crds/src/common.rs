@@ -30,6 +30,10 @@ pub const ANNOTATION_ABORT: &str = "ramify.dev/abort";
 /// node-side state (runsc sandbox, netns, cgroups, image files).
 pub const FINALIZER_NODE_CLEANUP: &str = "ramify.dev/node-cleanup";
 
+/// Event reason: an object was deleted because its time to live passed (a Snapshot's
+/// `spec.ttlSeconds`, a BranchSet's `spec.ttlSecondsAfterFinished`).
+pub const REASON_EXPIRED: &str = "Expired";
+
 /// Reason (condition, Event) of a commit the node agent refused because the parent
 /// changed since the fork point: first commit wins across every BranchSet of a parent.
 pub const REASON_COMMIT_CONFLICT: &str = "CommitConflict";

@@ -48,6 +48,14 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
         );
         return Ok(Action::await_change());
     }
+    // An ended set whose ttlSecondsAfterFinished passed is deleted and nothing more.
+    let ttl_left = match crate::ttl::due(bs) {
+        Some(_) => match crate::ttl::expire(ctx, bs).await? {
+            Some(left) => Some(left),
+            None => return Ok(Action::await_change()),
+        },
+        None => None,
+    };
     let ns = bs.namespace().unwrap_or_default();
     let name = bs.name_any();
     let sandboxes: Api<Sandbox> = Api::namespaced(ctx.client.clone(), &ns);
@@ -187,10 +195,11 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     if !fork_now || plan.status == old {
         create_branches(&sandboxes, &plan.create_branches).await?;
     }
-    Ok(match plan.requeue {
-        Some(d) => Action::requeue(d),
-        None => Action::requeue(Duration::from_secs(300)),
-    })
+    let mut next = plan.requeue.unwrap_or(Duration::from_secs(300));
+    if let Some(left) = ttl_left {
+        next = next.min(left + Duration::from_millis(100));
+    }
+    Ok(Action::requeue(next))
 }
 
 /// Creates and binds branches, all in parallel: this is the fork's critical path.

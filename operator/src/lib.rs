@@ -16,6 +16,7 @@ pub mod plan;
 pub mod sandbox;
 pub mod self_fork;
 pub mod snapshot;
+pub mod ttl;
 pub mod writes;
 
 use std::sync::Arc;

@@ -87,7 +87,7 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
                 ctx.event(
                     &snap.object_ref(&()),
                     false,
-                    "Expired",
+                    ramify_crds::REASON_EXPIRED,
                     format!("TTL of {ttl}s passed; deleting"),
                 )
                 .await;
