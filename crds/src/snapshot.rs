@@ -6,6 +6,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::Condition;
 
+/// Reason (Ready condition, Event) of a Snapshot refused because its node's snapshot
+/// store quota is held by images still referenced.
+pub const REASON_STORE_FULL: &str = "StoreFull";
+/// Reason (Ready condition, Event) of a Snapshot whose image was evicted from its
+/// node's store (least recently used of those no live object needs): phase `Expired`.
+pub const REASON_EVICTED: &str = "Evicted";
+
 /// A checkpoint of a running Sandbox: its file system changes, memory and process tree,
 /// stored on the node that ran it. Branches restore from it; a warm pool keeps some of
 /// them restored and frozen so a fork costs milliseconds.

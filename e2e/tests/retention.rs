@@ -1,6 +1,7 @@
 //! The node's disk stays bounded under a stream of forks: an ended BranchSet is deleted
 //! `spec.ttlSecondsAfterFinished` after it ended, with its automatic snapshot and the
-//! snapshot's image on the node. The whole system as processes (a real control plane,
+//! snapshot's image on the node; a node's snapshot store stays under its quota,
+//! evicting what nothing needs and refusing past it. The whole system as processes (a real control plane,
 //! the operator, one node agent, real runsc).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -10,8 +11,14 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Resource, ResourceExt};
-use ramify_crds::{BranchSet, BranchSetPhase, REASON_EXPIRED, Snapshot};
+use ramify_crds::{
+    BranchSet, BranchSetPhase, REASON_EVICTED, REASON_EXPIRED, REASON_STORE_FULL, Snapshot,
+    SnapshotPhase,
+};
 use ramify_e2e::system::System;
+
+/// Tests run one at a time: each sandbox asks its share of the node.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn set(name: &str, ttl: Option<i64>) -> String {
     let ttl = ttl
@@ -69,6 +76,7 @@ where
 
 #[tokio::test]
 async fn an_ended_branchset_goes_after_its_ttl_with_its_snapshot_and_image() {
+    let _serial = SERIAL.lock().await;
     let sys = System::start("retention").await;
     sys.running_workspace().await;
 
@@ -143,5 +151,195 @@ async fn an_ended_branchset_goes_after_its_ttl_with_its_snapshot_and_image() {
     );
     let parent = sys.sandboxes().get("workspace").await.unwrap();
     assert_eq!(parent.status.unwrap().commits, 2);
+    sys.teardown_and_check_clean().await;
+}
+
+fn snapshot_yaml(name: &str) -> String {
+    format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: Snapshot\nmetadata:\n  name: {name}\nspec:\n  source: {{sandbox: workspace}}\n"
+    )
+}
+
+fn restored_yaml(sys: &System, name: &str, snapshot: &str) -> String {
+    format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata:\n  name: {name}\nspec:\n  rootfs: {{class: {}}}\n  restoreFrom: {{snapshot: {snapshot}}}\n",
+        sys.rootfs_class
+    )
+}
+
+/// Bytes of every snapshot image in the agent's store, as the disk has them.
+fn store_bytes(sys: &System) -> u64 {
+    fn walk(p: &std::path::Path) -> u64 {
+        std::fs::read_dir(p)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| match e.file_type() {
+                Ok(t) if t.is_dir() => walk(&e.path()),
+                Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
+                _ => 0,
+            })
+            .sum()
+    }
+    walk(&sys.state_dir.join("engine/snapshots"))
+}
+
+async fn snapshot_phase(sys: &System, name: &str, want: SnapshotPhase) -> Snapshot {
+    let snaps: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    sys.wait_for(
+        snaps,
+        name,
+        &format!("{want:?}"),
+        120,
+        move |s: &Snapshot| s.status.as_ref().is_some_and(|st| st.phase == want),
+    )
+    .await
+}
+
+fn ended(b: &BranchSet) -> bool {
+    b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+}
+
+/// A loop that forks all day: 200 BranchSets one after the other, against a quota of
+/// three and a half images. What nothing needs is evicted, least recently used first;
+/// what is referenced (a user's Snapshot, a running set's) is never evicted and stays
+/// restorable; once only referenced images are left, a new snapshot is refused.
+#[tokio::test]
+async fn two_hundred_branchsets_in_a_loop_keep_the_store_under_its_quota() {
+    let n: usize = std::env::var("RAMIFY_RETENTION_SETS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let _serial = SERIAL.lock().await;
+    let mut sys = System::start("store-quota").await;
+    sys.running_workspace().await;
+    sys.apply(&snapshot_yaml("keep"));
+    let keep = snapshot_phase(&sys, "keep", SnapshotPhase::Ready).await;
+    let unit = keep.status.unwrap().size_bytes.unwrap() as u64;
+    let quota = unit * 7 / 2;
+    sys.restart_agent_with("--snapshot-store-quota", &quota.to_string());
+
+    // A set that runs all along: its automatic snapshot is referenced.
+    sys.apply(
+        &set("holder", None)
+            .replace("replicas: 2", "replicas: 1")
+            .replace("test $RAMIFY_BRANCH_INDEX -eq 1", "sleep 100000")
+            .replace(
+                "commit: {mode: Full}",
+                "commit: {mode: Full}\n  timeoutSeconds: 3600",
+            ),
+    );
+    let holder = sys
+        .wait_branchset("holder", "Running", 120, |b| {
+            b.status
+                .as_ref()
+                .is_some_and(|s| s.phase == BranchSetPhase::Running)
+        })
+        .await;
+    let holder_snap = holder.status.unwrap().snapshot.unwrap();
+
+    let t0 = Instant::now();
+    let mut peak = 0;
+    for i in 0..n {
+        let name = format!("loop-{i}");
+        sys.apply(
+            &set(&name, None)
+                .replace("replicas: 2", "replicas: 1")
+                .replace("test $RAMIFY_BRANCH_INDEX -eq 1", "exit 1"),
+        );
+        let bs = sys.wait_branchset(&name, "ended", 120, ended).await;
+        assert_eq!(
+            bs.status.unwrap().phase,
+            BranchSetPhase::Exhausted,
+            "{name}: its one branch aborts"
+        );
+        let used = store_bytes(&sys);
+        peak = peak.max(used);
+        assert!(
+            used <= quota,
+            "after {name}: the store holds {used} bytes, over its quota of {quota}"
+        );
+    }
+    let elapsed = t0.elapsed();
+    let snaps: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let all = snaps.list(&Default::default()).await.unwrap().items;
+    let evicted = all
+        .iter()
+        .filter(|s| {
+            s.status.as_ref().is_some_and(|st| {
+                st.phase == SnapshotPhase::Expired
+                    && st.conditions.iter().any(|c| c.reason == REASON_EVICTED)
+            })
+        })
+        .count();
+    println!(
+        "{n} BranchSets in {:.0} s ({:.2} s each); store quota {quota} bytes (3.5 images of {unit}); peak {peak} bytes; {evicted} images evicted",
+        elapsed.as_secs_f64(),
+        elapsed.as_secs_f64() / n as f64
+    );
+    assert!(evicted >= n - 2, "only {evicted} of {n} evicted");
+
+    // What is referenced was never evicted, and restores.
+    for s in ["keep", holder_snap.as_str()] {
+        let snap = snaps.get(s).await.unwrap();
+        assert_eq!(snap.status.unwrap().phase, SnapshotPhase::Ready, "{s}");
+    }
+    sys.apply(&restored_yaml(&sys, "from-keep", "keep"));
+    sys.apply(&restored_yaml(&sys, "from-holder", &holder_snap));
+    for s in ["from-keep", "from-holder"] {
+        sys.wait_sandbox(s, "Running", 120, |s| {
+            s.status
+                .as_ref()
+                .is_some_and(|st| st.phase == ramify_crds::SandboxPhase::Running)
+        })
+        .await;
+        assert_eq!(sys.exec(s, "cat /work/app.conf").1, "mode=slow", "{s}");
+    }
+
+    // Only referenced images left: one more snapshot than the quota holds is refused.
+    let mut refused = None;
+    for i in 0..4 {
+        let name = format!("fill-{i}");
+        sys.apply(&snapshot_yaml(&name));
+        let s = sys
+            .wait_for(
+                snaps.clone(),
+                &name,
+                "Ready or Failed",
+                120,
+                |s: &Snapshot| {
+                    s.status.as_ref().is_some_and(|st| {
+                        matches!(st.phase, SnapshotPhase::Ready | SnapshotPhase::Failed)
+                    })
+                },
+            )
+            .await;
+        assert!(store_bytes(&sys) <= quota);
+        if s.status.as_ref().unwrap().phase == SnapshotPhase::Failed {
+            refused = Some(s);
+            break;
+        }
+    }
+    let refused = refused.expect("a snapshot past the quota is refused");
+    let cond = refused
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(cond.reason, REASON_STORE_FULL);
+    assert!(
+        cond.message.contains("still referenced") && cond.message.contains("keep"),
+        "{}",
+        cond.message
+    );
+    println!("refused: {}", cond.message);
+    for s in ["keep", holder_snap.as_str()] {
+        assert_eq!(
+            snaps.get(s).await.unwrap().status.unwrap().phase,
+            SnapshotPhase::Ready
+        );
+    }
     sys.teardown_and_check_clean().await;
 }

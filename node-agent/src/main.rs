@@ -75,6 +75,12 @@ struct CapacityArgs {
     /// BranchSets. Default: half the cores, at least 1.
     #[arg(long, env = "RAMIFY_MAX_CONCURRENT_RESTORES")]
     max_concurrent_restores: Option<usize>,
+    /// What this node's snapshot images may add up to. Images no live object needs
+    /// are evicted, least recently used first, to stay under it; past that, new
+    /// snapshots are refused (reason StoreFull). Default: half of the file system that
+    /// holds the state directory; 0: no quota.
+    #[arg(long, env = "RAMIFY_SNAPSHOT_STORE_QUOTA", value_parser = parse_memory)]
+    snapshot_store_quota: Option<u64>,
 }
 
 /// The node endpoint that serves exec, log and diff to `ramify-api` (mutual TLS).
@@ -247,6 +253,13 @@ fn parse_cpu(q: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{q:?} is not a CPU quantity such as 400m or 1.5"))
 }
 
+/// The default snapshot store quota: half the size of the file system at `dir`.
+fn half_of_file_system(dir: &std::path::Path) -> anyhow::Result<u64> {
+    let st = nix::sys::statvfs::statvfs(dir)
+        .map_err(|e| anyhow::anyhow!("statvfs {}: {e}", dir.display()))?;
+    Ok(st.blocks().saturating_mul(st.fragment_size()) / 2)
+}
+
 fn parse_memory(q: &str) -> Result<u64, String> {
     ramify_crds::capacity::memory_bytes(q)
         .ok_or_else(|| format!("{q:?} is not a memory quantity such as 2Gi or 512Mi"))
@@ -390,6 +403,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 allocatable_cpu,
                 allocatable_memory,
                 max_concurrent_restores,
+                snapshot_store_quota,
             } = *capacity_args;
             let node_capacity = cap::node_capacity()?;
             let mut allocatable = cap::allocatable(
@@ -422,6 +436,11 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 rootfs_cache: rootfs.cache.clone(),
             };
             let engine = engine(&settings, &state.state_dir, Some("node".into())).await?;
+            let snapshot_store_quota = match snapshot_store_quota {
+                Some(q) => q,
+                None => half_of_file_system(engine.store().dir())?,
+            };
+            info!(quota = %Requests::memory_text(snapshot_store_quota), "snapshot store quota");
             let platform = engine.runsc().platform().clone();
             // What the sandboxes run on, not `auto`: the local subcommands must not
             // decide again (and maybe differently).
@@ -473,6 +492,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     registries: ramify_node_agent::image::RegistryConfig {
                         insecure: registries.insecure,
                     },
+                    snapshot_store_quota,
                 },
                 registry,
                 metrics,

@@ -60,6 +60,9 @@ pub struct SnapshotStore {
     dir: PathBuf,
     /// Files whose hash matched their record, with how they looked when read.
     verified: Arc<Mutex<HashMap<VerifiedKey, FileStamp>>>,
+    /// When each image was last verified for a restore (ms since the epoch), since
+    /// this process started: what least-recently-used eviction orders by.
+    used: Arc<Mutex<HashMap<String, u64>>>,
     /// Image files hashed by `verify` so far (what the memo saves is visible).
     hashed: Arc<AtomicU64>,
 }
@@ -188,6 +191,7 @@ impl SnapshotStore {
         Ok(SnapshotStore {
             dir,
             verified: Arc::default(),
+            used: Arc::default(),
             hashed: Arc::default(),
         })
     }
@@ -282,6 +286,9 @@ impl SnapshotStore {
     #[instrument(skip(self))]
     pub fn verify(&self, id: &str, runsc_version: &str) -> Result<(SnapshotMeta, PathBuf)> {
         let meta = self.meta(id)?;
+        if let Ok(mut u) = self.used.lock() {
+            u.insert(id.to_string(), now_ms());
+        }
         if meta.runsc_version != runsc_version {
             return Err(Error::VersionMismatch {
                 id: id.into(),
@@ -354,6 +361,13 @@ impl SnapshotStore {
         Ok(out)
     }
 
+    /// When `meta`'s image was last used: its last restore since this process started,
+    /// else its capture.
+    pub fn last_used_ms(&self, meta: &SnapshotMeta) -> u64 {
+        let used = self.used.lock().ok().and_then(|u| u.get(&meta.id).copied());
+        used.unwrap_or(0).max(meta.created_unix_ms)
+    }
+
     /// Bytes used by all sealed snapshots.
     pub fn total_bytes(&self) -> Result<u64> {
         Ok(self.list()?.iter().map(|m| m.size_bytes).sum())
@@ -361,6 +375,9 @@ impl SnapshotStore {
 
     pub fn remove(&self, id: &str) -> Result<()> {
         let d = self.snap_dir(id)?;
+        if let Ok(mut u) = self.used.lock() {
+            u.remove(id);
+        }
         if let Ok(mut v) = self.verified.lock() {
             v.retain(|(i, _, _), _| i != id);
         }

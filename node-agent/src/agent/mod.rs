@@ -27,6 +27,7 @@ mod sandbox;
 mod self_fork;
 mod snapshot;
 mod start;
+mod store_quota;
 pub mod verdict_watch;
 pub mod writes;
 
@@ -69,6 +70,8 @@ pub struct AgentConfig {
     pub max_restores: usize,
     /// Which registries `spec.image` pulls speak plain HTTP to.
     pub registries: crate::image::RegistryConfig,
+    /// Bytes the snapshot images of this node may add up to (0: no quota).
+    pub snapshot_store_quota: u64,
 }
 
 type Handle = Arc<AsyncMutex<Option<LocalSandbox>>>;

@@ -10,8 +10,8 @@ use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::Action;
 use ramify_crds::{
-    Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj, Snapshot as SnapshotObj,
-    SnapshotPhase,
+    Condition, ConditionStatus, ConditionsExt, REASON_STORE_FULL, Sandbox as SandboxObj,
+    Snapshot as SnapshotObj, SnapshotPhase,
 };
 use serde_json::json;
 use tracing::instrument;
@@ -58,7 +58,7 @@ impl Agent {
             }
             return self.keep_pool(snap, &uid, &rec).await;
         }
-        if status.phase == SnapshotPhase::Failed {
+        if matches!(status.phase, SnapshotPhase::Failed | SnapshotPhase::Expired) {
             return Ok(Action::await_change());
         }
         if status.phase == SnapshotPhase::Ready {
@@ -80,6 +80,10 @@ impl Agent {
             // Not running here yet.
             return Ok(Action::requeue(Duration::from_millis(500)));
         };
+        // A full store refuses before capturing (evicting what nothing needs first).
+        if let Some(reason) = self.make_store_room(1, 0).await? {
+            return self.fail_snapshot(snap, REASON_STORE_FULL, reason).await;
+        }
         self.write_snapshot_phase(snap, SnapshotPhase::Capturing)
             .await?;
         let ttl = snap
@@ -115,6 +119,17 @@ impl Agent {
                     .await;
             }
         };
+        // Its size is known now: the store holds it too, or it goes.
+        let size = info.meta.size_bytes;
+        let full = match self.make_store_room(size, size).await {
+            Ok(f) => f,
+            Err(e) => Some(format!("checking the snapshot store quota failed: {e}")),
+        };
+        if let Some(reason) = full {
+            self.engine.store().remove(&info.meta.id)?;
+            let reason = format!("{reason} (it was captured, then removed)");
+            return self.fail_snapshot(snap, REASON_STORE_FULL, reason).await;
+        }
         self.metrics
             .capture_seconds
             .observe(info.checkpoint.as_secs_f64());
