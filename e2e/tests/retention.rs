@@ -50,13 +50,15 @@ fn snapshot_images(sys: &System) -> Vec<String> {
         .collect()
 }
 
-async fn committed(sys: &System, name: &str) -> BranchSet {
-    sys.wait_branchset(name, "Committed", 180, |b| {
-        b.status
-            .as_ref()
-            .is_some_and(|s| s.phase == BranchSetPhase::Committed)
+async fn in_phase(sys: &System, name: &str, phase: BranchSetPhase) -> BranchSet {
+    sys.wait_branchset(name, &format!("{phase:?}"), 180, move |b| {
+        b.status.as_ref().is_some_and(|s| s.phase == phase)
     })
     .await
+}
+
+async fn committed(sys: &System, name: &str) -> BranchSet {
+    in_phase(sys, name, BranchSetPhase::Committed).await
 }
 
 async fn gone<K>(api: Api<K>, obj: &K, secs: u64) -> Instant
@@ -229,13 +231,7 @@ async fn two_hundred_branchsets_in_a_loop_keep_the_store_under_its_quota() {
                 "commit: {mode: Full}\n  timeoutSeconds: 3600",
             ),
     );
-    let holder = sys
-        .wait_branchset("holder", "Running", 120, |b| {
-            b.status
-                .as_ref()
-                .is_some_and(|s| s.phase == BranchSetPhase::Running)
-        })
-        .await;
+    let holder = in_phase(&sys, "holder", BranchSetPhase::Running).await;
     let holder_snap = holder.status.unwrap().snapshot.unwrap();
 
     let t0 = Instant::now();
