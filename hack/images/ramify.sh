@@ -34,6 +34,10 @@ for c in $(recipe crates); do crates+=(-p "$c" --bin "$c"); done
 echo ">> cargo build --profile $profile --target $target (static)" >&2
 # --target: RUSTFLAGS then apply to the binaries only, never to build scripts or proc
 # macros (which cannot be static).
+# Without the variables cargo sets for a running test or build script (a test may call
+# this): ring's build script tracks CARGO_MANIFEST_DIR, so they would rebuild it all.
+unset CARGO_MANIFEST_DIR CARGO_MANIFEST_PATH CARGO_PRIMARY_PACKAGE CARGO_CRATE_NAME CARGO_BIN_NAME CARGO_TARGET_TMPDIR OUT_DIR
+for v in $(compgen -e | grep -E '^CARGO_PKG_' || true); do unset "$v"; done
 (cd "$repo" && RUSTFLAGS="$(recipe rustflags)" cargo build --locked --profile "$profile" --target "$target" "${crates[@]}" >&2) ||
   die "cargo build of the images' binaries"
 bin_dir="${CARGO_TARGET_DIR:-$repo/target}/$target/$profile"
