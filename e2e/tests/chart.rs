@@ -289,6 +289,7 @@ fn defaults_render_the_documented_deployment() {
         "--bridge=ramify0",
         "--subnet=10.88.0.0/16",
         "--cgroup-parent=/ramify",
+        "--leave-pod-cgroup",
         "--rootfs-root=/var/lib/ramify-rootfs",
         "--rootfs-cache=/var/cache/ramify/rootfs",
     ] {
