@@ -4,11 +4,11 @@
 #   docker build --target node-agent -t ramify/node-agent:dev .
 #   docker build --target api        -t ramify/api:dev .
 
-# --- Rust: static (musl) binaries -------------------------------------------------
+# The same recipe, without Docker: hack/images/ramify.sh (ramify-images.py lists what is
+# in each image; e2e/tests/images_recipe.rs checks that the two agree).
+
+# --- Rust: static binaries (glibc, crt-static; the `image` profile of Cargo.toml) ----
 FROM rust:1.95-bookworm AS rust-build
-RUN rustup target add x86_64-unknown-linux-musl && \
-    apt-get update && apt-get install -y --no-install-recommends musl-tools && \
-    rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY crds crds
@@ -20,12 +20,13 @@ COPY plugin plugin
 COPY e2e e2e
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked --target x86_64-unknown-linux-musl \
+    RUSTFLAGS='-C target-feature=+crt-static' \
+    cargo build --locked --profile image --target x86_64-unknown-linux-gnu \
       -p ramify-operator -p ramify-node-agent -p ramify-api && \
     mkdir -p /out && \
-    cp target/x86_64-unknown-linux-musl/release/ramify-operator \
-       target/x86_64-unknown-linux-musl/release/ramify-node-agent \
-       target/x86_64-unknown-linux-musl/release/ramify-api /out/
+    cp target/x86_64-unknown-linux-gnu/image/ramify-operator \
+       target/x86_64-unknown-linux-gnu/image/ramify-node-agent \
+       target/x86_64-unknown-linux-gnu/image/ramify-api /out/
 
 # --- Go: the pinned runsc (restores need the exact version that checkpointed) ------
 FROM golang:1.26-bookworm AS runsc-build
@@ -33,14 +34,26 @@ WORKDIR /src/hack/runsc
 COPY hack/runsc ./
 RUN RAMIFY_CACHE=/cache ./build.sh && cp /cache/runsc-*/runsc /runsc && /runsc --version
 
-# --- operator: nothing but the binary, non-root ------------------------------------
-FROM gcr.io/distroless/static-debian12:nonroot AS operator
+# --- the root of the static images: nonroot user, CA bundle, /tmp ----------------
+FROM debian:bookworm-slim AS static-root
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && \
+    rm -rf /var/lib/apt/lists/* && \
+    mkdir -p /static/etc/ssl/certs /static/tmp /static/home/nonroot && \
+    cp /etc/ssl/certs/ca-certificates.crt /static/etc/ssl/certs/ && \
+    chmod 1777 /static/tmp && chmod 0700 /static/home/nonroot && \
+    chown 65532:65532 /static/home/nonroot
+COPY hack/images/static-root/ /static/
+
+# --- operator: the binary on the static root, non-root ----------------------------
+FROM scratch AS operator
+COPY --from=static-root /static/ /
 COPY --from=rust-build /out/ramify-operator /ramify-operator
 USER 65532:65532
 ENTRYPOINT ["/ramify-operator"]
 
-# --- ramify-api: nothing but the binary, non-root ---------------------------------
-FROM gcr.io/distroless/static-debian12:nonroot AS api
+# --- ramify-api: the binary on the static root, non-root --------------------------
+FROM scratch AS api
+COPY --from=static-root /static/ /
 COPY --from=rust-build /out/ramify-api /ramify-api
 USER 65532:65532
 ENTRYPOINT ["/ramify-api"]
@@ -48,8 +61,9 @@ ENTRYPOINT ["/ramify-api"]
 # --- node agent: runsc, CNI plugins and iptables for per-sandbox networking ---------
 FROM debian:bookworm-slim AS node-agent
 RUN apt-get update && apt-get install -y --no-install-recommends \
-      containernetworking-plugins iptables iproute2 util-linux ca-certificates && \
+      ca-certificates containernetworking-plugins iproute2 iptables util-linux && \
     rm -rf /var/lib/apt/lists/*
 COPY --from=runsc-build /runsc /usr/local/bin/runsc
 COPY --from=rust-build /out/ramify-node-agent /usr/local/bin/ramify-node-agent
+USER 0:0
 ENTRYPOINT ["/usr/local/bin/ramify-node-agent"]

@@ -3,7 +3,8 @@
 # Rust present: Debian packages (runsc, runc, CNI plugins, busybox for test rootfs, gcc for
 # the pause image, debootstrap for the workspace test image, ...), rustfmt/clippy, the
 # Go-built control plane, node (kubelet, containerd), test registry and crane (cached by
-# version), and the debootstrap rootfs of the workspace test image (cached by package list).
+# version), the debootstrap rootfs of the workspace test image (cached by package list),
+# and ramify's own images (hack/images/ramify.sh: static binaries + OCI layouts, cached).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 need_apt=()
@@ -22,4 +23,5 @@ echo "install-deps: control plane binaries in $("$here/controlplane/build.sh")" 
 echo "install-deps: node (kubelet, containerd, pause and busybox images) in $("$here/node/build.sh")" >&2
 echo "install-deps: registry and crane in $("$here/registry/build.sh")" >&2
 echo "install-deps: workspace image rootfs in $("$here/images/debootstrap.sh")" >&2
+echo "install-deps: ramify's own images (static binaries, OCI layouts) in $("$here/images/ramify.sh" build)" >&2
 echo "install-deps: Python SDK venv in $("$here/python-venv.sh")" >&2

@@ -100,12 +100,32 @@ impl RealNode {
     /// Starts the node (building it first if needed) and waits, with a deadline, for its
     /// Node to be Ready through the API.
     pub async fn start(cp: &ControlPlane) -> Result<RealNode, HarnessError> {
+        Self::start_with(cp, &[]).await
+    }
+
+    /// [`RealNode::start`] whose containerd pulls from `insecure_registries`
+    /// (`HOST:PORT`, e.g. the test registry) over plain HTTP.
+    pub async fn start_pulling_from(
+        cp: &ControlPlane,
+        insecure_registries: &[&str],
+    ) -> Result<RealNode, HarnessError> {
+        Self::start_with(cp, insecure_registries).await
+    }
+
+    async fn start_with(
+        cp: &ControlPlane,
+        insecure_registries: &[&str],
+    ) -> Result<RealNode, HarnessError> {
         // Built first (cached after the first run) so `ready_after` is the start alone.
         Self::build()?;
         let started = Instant::now();
         let dir = Self::dir_for(cp);
         let name = NODE_NAME.to_string();
         let up = Self::script("up", &cp.dir, &dir)
+            .env(
+                "RAMIFY_NODE_INSECURE_REGISTRIES",
+                insecure_registries.join(","),
+            )
             .stderr(Stdio::inherit())
             .output()?;
         // From here on a failure must still tear down what up.sh started.

@@ -174,6 +174,19 @@ fn schema_rejects_bad_values_with_the_key_named() {
             "at '/agent/platform': value must be one of 'auto', 'systrap', 'ptrace', 'kvm'",
         ),
         ("agent.stateDir=var/lib/ramify", "at '/agent/stateDir'"),
+        // Cluster placement is not implemented by the agent yet (issue #14).
+        (
+            "agent.mode=cluster",
+            "at '/agent/mode': value must be 'standalone'",
+        ),
+        (
+            "agent.network.bridge=a-name-far-too-long",
+            "at '/agent/network/bridge'",
+        ),
+        (
+            "agent.network.subnet=10.88.0.0",
+            "at '/agent/network/subnet'",
+        ),
         ("agent.reserve.cpu=lots", "at '/agent/reserve/cpu'"),
         (
             "agent.maxConcurrentRestores=-1",
@@ -272,12 +285,18 @@ fn defaults_render_the_documented_deployment() {
         "--platform=auto",
         "--reserve-cpu=400m",
         "--reserve-memory=2Gi",
-        "--mode=cluster",
+        "--mode=standalone",
+        "--bridge=ramify0",
+        "--subnet=10.88.0.0/16",
+        "--cgroup-parent=/ramify",
+        "--leave-pod-cgroup",
         "--rootfs-root=/var/lib/ramify-rootfs",
         "--rootfs-cache=/var/cache/ramify/rootfs",
     ] {
         assert!(args.contains(&want), "agent args lack {want}: {args:?}");
     }
+    // The image's entrypoint is the agent binary: its `run` subcommand first.
+    assert_eq!(args.first(), Some(&"run"), "agent args: {args:?}");
     assert!(
         !args
             .iter()
@@ -291,10 +310,10 @@ fn defaults_render_the_documented_deployment() {
     assert_eq!(c["image"], "ghcr.io/ramify-dev/node-agent:0.1.0");
     assert_eq!(c["securityContext"]["privileged"], true);
     assert_eq!(pod["hostPID"], true);
-    assert!(
-        pod["hostNetwork"].is_null(),
-        "the agent needs no host network"
-    );
+    // Standalone placement makes the sandboxes' bridge, iptables rules and netns in
+    // the node's network namespace.
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
     let netns = c["volumeMounts"]
         .as_array()
         .unwrap()

@@ -17,7 +17,11 @@
 #
 # Environment: RAMIFY_CP_DIR (default: <repo>/.ramify/controlplane),
 # RAMIFY_CP_PORT_BASE (default 16440: apiserver +3, etcd client +0, etcd peer +1,
-# controller-manager +4, scheduler +5).
+# controller-manager +4, scheduler +5), RAMIFY_CP_ADVERTISE_ADDRESS (default: none, the
+# API server listens and advertises on 127.0.0.1 only; set to the real node's IP,
+# hack/node/up.sh's RAMIFY_NODE_IP, for Pods to reach it through the `kubernetes`
+# Service: it then listens on every address, and a loopback advertise address would give
+# that Service no endpoints).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -33,9 +37,11 @@ bin="$("$here/build.sh")" || die "building the control plane failed"
 mkdir -p "$dir/pki" "$dir/logs" "$dir/run"
 
 pki="$dir/pki"
+advertise="${RAMIFY_CP_ADVERTISE_ADDRESS:-}"
+bind=127.0.0.1; [[ -z "$advertise" ]] || bind=0.0.0.0
 apiserver_args=(
   --etcd-servers "http://127.0.0.1:$etcd_port"
-  --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port"
+  --bind-address "$bind" --advertise-address "${advertise:-127.0.0.1}" --secure-port "$api_port"
   --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key"
   --client-ca-file "$pki/ca.crt"
   --service-account-issuer https://kubernetes.default.svc

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Builds the workspace image's root filesystem once: Debian bookworm minbase plus the
-# packages below, by debootstrap from the mirror apt uses, tarred (numeric owners) to
+# Builds a root filesystem once: Debian bookworm minbase plus PACKAGES (comma-separated;
+# default python3,sqlite3, the workspace test image's; hack/images/ramify.sh passes the
+# node-agent image's), by debootstrap from the mirror apt uses, tarred (numeric owners) to
 #   ${RAMIFY_CACHE:-~/.cache/ramify}/debootstrap-<key>/rootfs.tar
+#
+#   hack/images/debootstrap.sh [PACKAGES]
+#
 # and prints that path. The key hashes the suite, variant, package list, mirror and
 # RECIPE (bump it when what this script does to the tree changes), so a second run
 # returns at once. Needs root (debootstrap chroots).
 set -euo pipefail
 SUITE=bookworm
 VARIANT=minbase
-PACKAGES=python3,sqlite3
+PACKAGES="${1:-python3,sqlite3}"
 RECIPE=1
 # The mirror apt already uses (no internet mirror hard-coded): the first Debian
 # archive URI of the sources lists.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what a real Kubernetes node needs, into a versioned cache directory, and prints
 # that directory:
-#   kubelet                    the control plane's pinned Kubernetes (module in this dir)
+#   kubelet, kube-proxy        the control plane's pinned Kubernetes (module in this dir)
 #   containerd, containerd-shim-runc-v2, ctr   containerd 2.x from the Go module proxy
 #   images/pause.tar           the Pod sandbox image: a static C pause (hack/images/pause.c)
 #   images/busybox.tar         Debian's busybox-static with its applet links, for test Pods
@@ -30,8 +30,10 @@ minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
 kver="-X k8s.io/component-base/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 export CGO_ENABLED=0
 cd "$here"
-echo ">> building kubelet $K8S_VERSION" >&2
-nice go build -trimpath -ldflags "-s -w $kver" -o "$out/kubelet" k8s.io/kubernetes/cmd/kubelet >&2
+for cmd in kubelet kube-proxy; do
+  echo ">> building $cmd $K8S_VERSION" >&2
+  nice go build -trimpath -ldflags "-s -w $kver" -o "$out/$cmd" "k8s.io/kubernetes/cmd/$cmd" >&2
+done
 
 # containerd's own go.mod has no replace directives, so `go install pkg@version` builds
 # it with exactly its own pins. Static, as its Makefile's static release does.

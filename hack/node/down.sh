@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stops the node started by up.sh (same environment) and leaves nothing behind: the
-# kubelet, containerd, its shims and every Pod process (by pid: the pid files, the
+# kubelet, kube-proxy (and its iptables rules: `kube-proxy --cleanup`), containerd, its shims and every Pod process (by pid: the pid files, the
 # shims serving this node's containerd socket, the processes in the kubepods cgroups);
 # the mounts under the node directory and /var/lib/kubelet; the kubepods cgroups in every
 # hierarchy; kubelet's iptables chains (KUBE-FIREWALL with its INPUT/OUTPUT jumps,
@@ -44,8 +44,10 @@ stop_named() { # name (pid file under $dir/run)
   rm -f "$pidfile"
 }
 
-# 1. The kubelet first, so it restarts nothing while the rest goes.
+# 1. The kubelet first, so it restarts nothing while the rest goes; kube-proxy, so it
+# programs nothing again once its rules are removed (6).
 stop_named kubelet
+stop_named kube-proxy
 
 # 2. Every Pod process: whatever is in a kubepods cgroup (pause, containers, exec'd
 # processes), found through the cgroups kubelet made, not by name.
@@ -120,6 +122,21 @@ for ipt in iptables ip6tables; do
     done
   done
 done
+
+# kube-proxy's chains and rules (KUBE-SERVICES, KUBE-SVC-*, KUBE-POSTROUTING, its nft
+# table...): its own --cleanup knows them all, then none may be left.
+if [[ -f "$host/kube-proxy" ]]; then
+  proxy_bin="$(cat "$host/kube-proxy")"
+  if [[ -x "$proxy_bin" ]]; then
+    "$proxy_bin" --cleanup --v 0 >>"$dir/logs/kube-proxy-cleanup.log" 2>&1 || warn "kube-proxy --cleanup failed (log: $dir/logs/kube-proxy-cleanup.log)"
+  else
+    warn "no kube-proxy binary to clean its rules up with"
+  fi
+  for ipt in iptables ip6tables; do
+    left="$("$ipt-save" 2>/dev/null | grep -Eo '^:KUBE-[A-Z0-9-]+' | tr '\n' ' ' || true)"
+    [[ -z "$left" ]] || warn "$ipt chains left: $left"
+  done
+fi
 
 # 7. Networking: the bridge (the Pods' veths went with their netns) and the node IP.
 if [[ -f "$host/bridge" ]]; then

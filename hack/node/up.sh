@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Starts a real Kubernetes node against the running test control plane
-# (hack/controlplane/up.sh): containerd 2.x (runc from Debian, CNI bridge + host-local)
-# and the kubelet, registered as Node $RAMIFY_NODE_NAME, and returns once the Node is
-# Ready. Prints the node directory. Stop it with down.sh (same environment), which
+# (hack/controlplane/up.sh): containerd 2.x (runc from Debian, CNI bridge + host-local),
+# the kubelet, registered as Node $RAMIFY_NODE_NAME, and kube-proxy (iptables mode: Pods
+# reach Services, the `kubernetes` one included, by ClusterIP), and returns once the Node
+# is Ready and kube-proxy has programmed the Services. Prints the node directory. Stop it with down.sh (same environment), which
 # leaves nothing behind.
 #
 # Everything the node writes lives under $RAMIFY_NODE_DIR, except what kubelet and
@@ -18,7 +19,13 @@
 # Environment: RAMIFY_CP_DIR, RAMIFY_CP_PORT_BASE (as for the control plane; the kubelet
 # listens on base+10 and its healthz on base+11), RAMIFY_NODE_DIR (default: the control
 # plane directory's sibling `node`), RAMIFY_NODE_NAME (ramify-node), RAMIFY_NODE_IP
-# (10.213.1.1), RAMIFY_NODE_SUBNET (10.91.0.0/16), RAMIFY_NODE_BRIDGE (rmynode0).
+# (10.213.1.1), RAMIFY_NODE_SUBNET (10.91.0.0/16), RAMIFY_NODE_BRIDGE (rmynode0);
+# kube-proxy's healthz on base+12, its metrics on base+13;
+# RAMIFY_NODE_INSECURE_REGISTRIES (comma-separated HOST:PORT: registries containerd pulls
+# from over plain HTTP, e.g. the test registry on loopback). Pods reach the API server
+# only when the plane advertises an address they can route to
+# (RAMIFY_CP_ADVERTISE_ADDRESS=<the node IP> for hack/controlplane/up.sh): a loopback
+# advertise address gets no `kubernetes` endpoints at all.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -30,6 +37,7 @@ node_ip="${RAMIFY_NODE_IP:-10.213.1.1}"
 subnet="${RAMIFY_NODE_SUBNET:-10.91.0.0/16}"
 bridge="${RAMIFY_NODE_BRIDGE:-rmynode0}"
 kubelet_port=$((base + 10)); healthz_port=$((base + 11))
+proxy_healthz_port=$((base + 12)); proxy_metrics_port=$((base + 13))
 # Shim sockets must fit a unix socket path (108 bytes): a short directory of their own.
 run="/run/ramify-node-$base"
 
@@ -62,8 +70,13 @@ mkdir -p "$dir"/{pki,logs,run,host,cni/net.d,cni/ipam,containerd,kubelet,pod-log
 
 # What up.sh changes on the host, recorded before it changes anything, for down.sh.
 host="$dir/host"
-for key in vm.overcommit_memory kernel.panic kernel.panic_on_oops net.ipv4.ip_forward; do
-  echo "$key=$(sysctl -n "$key")"
+# kube-proxy is configured to change none (conntrack and route_localnet left alone);
+# they are recorded all the same, so a change would be put back.
+for key in vm.overcommit_memory kernel.panic kernel.panic_on_oops net.ipv4.ip_forward \
+  net.ipv4.conf.all.route_localnet net.netfilter.nf_conntrack_max \
+  net.netfilter.nf_conntrack_tcp_timeout_established net.netfilter.nf_conntrack_tcp_timeout_close_wait; do
+  value="$(sysctl -n "$key" 2>/dev/null)" || continue # conntrack's exist once its module is loaded
+  echo "$key=$value"
 done >"$host/sysctls"
 for d in /var/lib/kubelet /var/log/containers /var/log/pods; do
   [[ -e "$d" ]] || echo "$d"
@@ -91,8 +104,11 @@ sign() { # name subject eku san
 # The node's identity for the Node authorizer, and the kubelet's serving certificate.
 sign kubelet-client "/O=system:nodes/CN=system:node:$name" clientAuth ""
 sign kubelet-serving "/CN=$name" serverAuth "IP:$node_ip,DNS:$name"
+# kube-proxy's identity: the built-in system:node-proxier role is bound to this user.
+sign kube-proxy-client "/CN=system:kube-proxy" clientAuth ""
 api_server="$(awk '/server:/ {print $2; exit}' "$cp_dir/kubeconfig")"
-cat >"$dir/kubelet.kubeconfig" <<EOF
+kubeconfig() { # client-cert-name
+  cat <<EOF
 apiVersion: v1
 kind: Config
 clusters:
@@ -100,12 +116,15 @@ clusters:
   cluster: {server: "$api_server", certificate-authority: "$cp_dir/pki/ca.crt"}
 users:
 - name: node
-  user: {client-certificate: "$pki/kubelet-client.crt", client-key: "$pki/kubelet-client.key"}
+  user: {client-certificate: "$pki/$1.crt", client-key: "$pki/$1.key"}
 contexts:
 - name: ramify
   context: {cluster: ramify, user: node}
 current-context: ramify
 EOF
+}
+kubeconfig kubelet-client >"$dir/kubelet.kubeconfig"
+kubeconfig kube-proxy-client >"$dir/kube-proxy.kubeconfig"
 
 # The node IP: kubelet refuses a loopback address, and this kernel has no dummy links.
 ip addr add "$node_ip/32" dev lo 2>/dev/null || [[ "$(ip -o addr show dev lo)" == *" $node_ip/32 "* ]] ||
@@ -122,11 +141,22 @@ cat >"$dir/cni/net.d/10-ramify-node.conflist" <<EOF
       "isGateway": true,
       "ipMasq": false,
       "hairpinMode": true,
-      "ipam": {"type": "host-local", "ranges": [[{"subnet": "$subnet"}]], "dataDir": "$dir/cni/ipam"}
+      "ipam": {"type": "host-local", "ranges": [[{"subnet": "$subnet"}]], "dataDir": "$dir/cni/ipam",
+               "routes": [{"dst": "0.0.0.0/0"}]}
     }
   ]
 }
 EOF
+
+# Plain-HTTP registries (hosts.toml per registry; every other registry is HTTPS).
+mkdir -p "$dir/certs.d"
+IFS=',' read -ra insecure <<<"${RAMIFY_NODE_INSECURE_REGISTRIES:-}"
+for reg in "${insecure[@]}"; do
+  [[ "$reg" =~ ^[A-Za-z0-9.-]+:[0-9]+$ ]] || die "RAMIFY_NODE_INSECURE_REGISTRIES: $reg is not HOST:PORT"
+  mkdir -p "$dir/certs.d/$reg"
+  printf 'server = "http://%s"\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' "$reg" "$reg" \
+    >"$dir/certs.d/$reg/hosts.toml"
+done
 
 ctrd="$dir/containerd"
 sandbox_image="$(cat "$bin/images/pause.ref")"
@@ -146,6 +176,8 @@ state = "$ctrd/state"
   disable = true
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = "$dir/certs.d"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = "$sandbox_image"
 [plugins.'io.containerd.cri.v1.runtime']
@@ -231,5 +263,27 @@ while IFS='=' read -r key value; do
     sysctl -qw "$key=$value" || die "cannot put back $key=$value"
   fi
 done <"$host/sysctls"
-log "ready: node $name (kubelet on $node_ip:$kubelet_port, pods on $subnet via $bridge)"
+
+cat >"$dir/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: $dir/kube-proxy.kubeconfig}
+hostnameOverride: $name
+mode: iptables
+clusterCIDR: $subnet
+bindAddress: $node_ip
+healthzBindAddress: 127.0.0.1:$proxy_healthz_port
+metricsBindAddress: 127.0.0.1:$proxy_metrics_port
+# NodePorts only on the node IP, never on 127.0.0.1 (that would set route_localnet).
+nodePortAddresses: ["$node_ip/32"]
+iptables: {localhostNodePorts: false}
+# Leave the host's conntrack settings as they are (a shared machine).
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+EOF
+log "starting kube-proxy $("$bin/kube-proxy" --version | awk '{print $2}') (iptables mode)"
+echo "$bin/kube-proxy" >"$host/kube-proxy" # down.sh runs its --cleanup
+start kube-proxy "$bin/kube-proxy" --config "$dir/kube-proxy.yaml" --v 1
+# Its healthz answers 200 once it has programmed the Services at least once.
+wait_for kube-proxy 120 curl -sf "http://127.0.0.1:$proxy_healthz_port/healthz"
+log "ready: node $name (kubelet on $node_ip:$kubelet_port, pods on $subnet via $bridge, Services by kube-proxy)"
 echo "$dir"

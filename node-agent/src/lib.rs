@@ -26,6 +26,7 @@ pub mod freezer;
 pub mod image;
 pub mod placement;
 pub mod platform;
+pub mod pod_cgroup;
 pub mod private;
 pub mod procfs;
 pub mod reaper;

@@ -186,6 +186,12 @@ enum Command {
         /// sandboxes can break.
         #[arg(long, default_value = DEFAULT_CGROUP_PARENT)]
         cgroup_parent: String,
+        /// Move this agent, in the cgroup hierarchies runsc does not manage (the cgroup2
+        /// mount and named ones of a hybrid host), under --cgroup-parent, so the
+        /// sandboxes it starts are outside its Pod's cgroup there too (an agent in a
+        /// Pod: the chart sets it). See pod_cgroup.rs.
+        #[arg(long, env = "RAMIFY_LEAVE_POD_CGROUP", default_value_t = false)]
+        leave_pod_cgroup: bool,
         #[command(flatten)]
         capacity_args: Box<CapacityArgs>,
         #[command(flatten)]
@@ -387,6 +393,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             bridge,
             subnet,
             cgroup_parent,
+            leave_pod_cgroup,
             capacity_args,
             rootfs,
             registries,
@@ -419,6 +426,10 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 .unwrap_or_else(|| cap::default_max_restores(&node_capacity))
                 .max(1);
             cap::apply_ceiling(&cgroup_parent, &allocatable)?;
+            if leave_pod_cgroup {
+                let moved = ramify_node_agent::pod_cgroup::leave_pod_cgroup(&cgroup_parent)?;
+                info!(cgroups = ?moved, "left the Pod's cgroup in the hierarchies runsc does not manage");
+            }
             info!(
                 cpu = %Requests::cpu_text(allocatable.cpu_millis),
                 memory = %Requests::memory_text(allocatable.memory_bytes),
