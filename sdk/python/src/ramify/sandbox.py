@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _exec
-from ._client import API_VERSION, Client, Obj, ready_reason
+from ._client import API_VERSION, LABEL_NODE, Client, Obj, ready_reason
 from ._exec import ExecResult
 from .errors import (
     ImagePullFailed,
@@ -58,6 +58,15 @@ def network(egress: str | Sequence[str | Mapping[str, Any]] | None) -> Obj | Non
         )
     allow = [{"cidr": e} if isinstance(e, str) else dict(e) for e in egress]
     return {"egress": "Allow", "allow": allow}
+
+
+def node_label(source: Obj) -> dict[str, str]:
+    """The node label a fork of ``source`` (a Sandbox or a Snapshot, as last read) gets
+    from the operator: the node the source's status names. Set at creation, it saves
+    the operator that write (and its round trip) before the branches can go out; the
+    operator checks it against the parent and corrects it if it is wrong."""
+    node = (source.get("status") or {}).get("nodeName")
+    return {LABEL_NODE: str(node)} if node else {}
 
 
 class Sandbox:
@@ -315,6 +324,7 @@ class Sandbox:
             retain_losers=retain_losers,
             effects=effects,
             name=name,
+            labels=node_label(self.obj),
             client=self.client,
         )
 
@@ -501,7 +511,10 @@ class Snapshot:
         the snapshot's source sandbox. Arguments as :meth:`BranchSet.create`."""
         from .branchset import BranchSet
 
-        return BranchSet.create(snapshot=self.name, branches=branches, client=self.client, **kwargs)
+        labels = {**node_label(self.obj), **(kwargs.pop("labels", None) or {})}
+        return BranchSet.create(
+            snapshot=self.name, branches=branches, labels=labels, client=self.client, **kwargs
+        )
 
     def delete(self, wait: bool = False, timeout: float | None = 120) -> None:
         self.client.delete(self.plural, self.name)
