@@ -73,8 +73,12 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
     );
     run("ruff", &["check", ".", "../../examples"], &[]);
 
-    let sys = System::start("sdk").await;
+    // The test registry (loopback: the agent may pull from it without TLS) for the
+    // image tests: its busybox, the private one, and pull secrets right and wrong.
+    let reg = ramify_e2e::registry::Registry::shared().expect("the test registry");
+    let sys = System::start_with("sdk", &["--insecure-registry", "loopback"], &[]).await;
     let _api = sys.start_api();
+    let image = |n: &str| reg.image(n).expect("a pushed test image");
     let env = [
         (
             "RAMIFY_TEST_KUBECONFIG",
@@ -82,6 +86,21 @@ async fn python_sdk_and_mcp_server_drive_a_real_ramify() {
         ),
         ("RAMIFY_TEST_NAMESPACE", sys.ns.name.clone()),
         ("RAMIFY_TEST_ROOTFS_CLASS", sys.rootfs_class.clone()),
+        ("RAMIFY_TEST_IMAGE", image("busybox:1").reference),
+        ("RAMIFY_TEST_IMAGE_DIGEST", image("busybox:1").digest),
+        (
+            "RAMIFY_TEST_PRIVATE_IMAGE",
+            image("private/busybox:1").reference,
+        ),
+        (
+            "RAMIFY_TEST_DOCKERCONFIG",
+            reg.dockerconfigjson().expect("the registry's pull secret"),
+        ),
+        (
+            "RAMIFY_TEST_DOCKERCONFIG_WRONG",
+            reg.wrong_dockerconfigjson()
+                .expect("the registry's wrong pull secret"),
+        ),
     ];
     let out = sdk_command("python", &env)
         .args([

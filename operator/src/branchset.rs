@@ -202,13 +202,17 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     Ok(Action::requeue(next))
 }
 
-/// Creates and binds branches, all in parallel: this is the fork's critical path.
+/// Creates branches, all in parallel: this is the fork's critical path (the node
+/// agent starts each one when it sees it created, pinned by `spec.nodeName`). Then
+/// binds them, all in parallel: the binding writes come after every create, so that
+/// on a busy API server they do not hold up the later creates.
 async fn create_branches(sandboxes: &Api<Sandbox>, branches: &[Sandbox]) -> Result<()> {
-    let creations = branches.iter().map(|sbx| async move {
-        create_ignoring_exists(sandboxes, sbx).await?;
-        bind_branch(sandboxes, sbx).await
-    });
+    let creations = branches
+        .iter()
+        .map(|sbx| create_ignoring_exists(sandboxes, sbx));
     futures::future::try_join_all(creations).await?;
+    let bindings = branches.iter().map(|sbx| bind_branch(sandboxes, sbx));
+    futures::future::try_join_all(bindings).await?;
     Ok(())
 }
 

@@ -68,7 +68,8 @@ def sdk_fork(snap: ramify.Snapshot) -> tuple[float, ramify.BranchSet]:
 
 
 def ms(xs: list[float]) -> str:
-    return f"median {statistics.median(xs) * 1000:.0f} ms, min {min(xs) * 1000:.0f} ms"
+    runs = ", ".join(f"{x * 1000:.0f}" for x in xs)
+    return f"median {statistics.median(xs) * 1000:.0f} ms, min {min(xs) * 1000:.0f} ms ({runs})"
 
 
 def main() -> None:
@@ -101,7 +102,9 @@ def main() -> None:
                 base.append(kubectl_fork(client, snap.name, bname))
                 ramify.BranchSet(bname, client).delete(wait=True)
                 snap.wait_ready(timeout=300)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"fork({BRANCHES}) from a warm pool to all branches Running, {args.runs} runs:")
+    print(f"  load average (1, 5, 15 min):      {load}")
     print(f"  SDK (create + watch):             {ms(sdk)}")
     print(f"  kubectl apply + kubectl wait:     {ms(base)}")
 

@@ -74,3 +74,20 @@ def parent(client: ramify.Client, rootfs_class: str) -> Iterator[Callable[[], ra
     yield make
     for sb in made:
         sb.delete(wait=True)
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    """The test registry's busybox image (``ramify_e2e::registry``)."""
+    return _env("RAMIFY_TEST_IMAGE")
+
+
+@pytest.fixture(scope="session")
+def image_digest() -> str:
+    return _env("RAMIFY_TEST_IMAGE_DIGEST")
+
+
+@pytest.fixture(scope="session")
+def private_image() -> str:
+    """The same busybox under ``private/``: the registry wants credentials for it."""
+    return _env("RAMIFY_TEST_PRIVATE_IMAGE")

@@ -78,6 +78,10 @@ def test_mcp_tools_fork_and_commit(
             fork_tool = next(t for t in listed.tools if t.name == "fork")
             assert fork_tool.description and "verdict" in fork_tool.description
             assert {"branches", "verdict", "policy"} <= set(fork_tool.input_schema["properties"])
+            create_tool = next(t for t in listed.tools if t.name == "create_sandbox")
+            props = create_tool.input_schema["properties"]
+            assert {"image", "image_pull_secrets", "image_pull_policy"} <= set(props), props
+            assert "image reference" in props["image"]["description"].lower(), props["image"]
 
             async def call(tool: str, **args: Any) -> Any:
                 return payload(await s.call_tool(tool, args))

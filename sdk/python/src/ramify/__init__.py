@@ -26,6 +26,7 @@ from .errors import (
     CommitConflict,
     ExecFailed,
     Forbidden,
+    ImagePullFailed,
     Invalid,
     NotFound,
     RamifyError,
@@ -34,7 +35,7 @@ from .errors import (
     Timeout,
     WrongState,
 )
-from .sandbox import FileInfo, Files, Sandbox, Snapshot
+from .sandbox import FileInfo, Files, PullPolicy, Sandbox, Snapshot
 
 __all__ = [
     "FIRST_COMMIT_WINS",
@@ -57,10 +58,12 @@ __all__ = [
     "Files",
     "Forbidden",
     "Full",
+    "ImagePullFailed",
     "Invalid",
     "NotFound",
     "Outcome",
     "Paths",
+    "PullPolicy",
     "RamifyError",
     "Sandbox",
     "SandboxFailed",

@@ -20,6 +20,10 @@ SUBRESOURCE_VERSION = "v1alpha1"
 #: Annotation that ends a BranchSet without a winner (what ``kubectl ramify abort`` sets).
 ANNOTATION_ABORT = "ramify.dev/abort"
 LABEL_BRANCHSET = "ramify.dev/branchset"
+#: On branch Sandboxes: the branch's name inside its BranchSet.
+LABEL_BRANCH = "ramify.dev/branch"
+#: On a BranchSet: the node its parent runs on (the operator sets it, and corrects it).
+LABEL_NODE = "ramify.dev/node"
 
 Obj = dict[str, Any]
 
@@ -162,16 +166,8 @@ class Client:
             server_timeout = max(1, int(min(left if left is not None else 60, 60)))
             w = k8s_watch.Watch()
             try:
-                for ev in w.stream(
-                    self.custom.list_namespaced_custom_object,
-                    GROUP,
-                    VERSION,
-                    self.namespace,
-                    plural,
-                    field_selector=f"metadata.name={name}",
-                    resource_version=rv,
-                    timeout_seconds=server_timeout,
-                    _request_timeout=server_timeout + 5,
+                for ev in self._stream(
+                    w, plural, rv, server_timeout, field_selector=f"metadata.name={name}"
                 ):
                     kind = ev.get("type")
                     o = ev.get("object")
@@ -198,6 +194,77 @@ class Client:
                 raise from_api_exception(e) from None
             finally:
                 w.stop()
+
+    def _stream(
+        self, w: Any, plural: str, rv: str, server_timeout: int, **selector: str
+    ) -> Iterator[Any]:
+        """One watch call from ``rv``, ended by the server after ``server_timeout``."""
+        out: Iterator[Any] = w.stream(
+            self.custom.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self.namespace,
+            plural,
+            resource_version=rv,
+            timeout_seconds=server_timeout,
+            _request_timeout=server_timeout + 5,
+            **selector,
+        )
+        return out
+
+    def watch_list(
+        self, plural: str, label_selector: str, timeout: float | None, tick: int = 1
+    ) -> Iterator[tuple[str, Obj] | None]:
+        """Yields ``(event type, object)`` for the objects matching ``label_selector``:
+        each existing one as ``ADDED``, then every change as it happens. Yields
+        ``None`` at least every ``tick`` seconds (each watch call's server-side
+        timeout), so the caller can look at something else meanwhile; raises
+        :class:`Timeout` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def relist() -> tuple[str, list[Obj]]:
+            try:
+                out = self.custom.list_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, plural, label_selector=label_selector
+                )
+            except ApiException as e:
+                raise from_api_exception(e) from None
+            return str(out["metadata"].get("resourceVersion", "")), list(out.get("items", []))
+
+        rv, items = relist()
+        for o in items:
+            yield "ADDED", o
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Timeout(
+                    f"{plural} {label_selector}: still waiting after {timeout}s", reason="Timeout"
+                )
+            server_timeout = max(1, int(min(left if left is not None else tick, tick)))
+            w = k8s_watch.Watch()
+            expired = False
+            try:
+                for ev in self._stream(
+                    w, plural, rv, server_timeout, label_selector=label_selector
+                ):
+                    kind, o = ev.get("type"), ev.get("object")
+                    if kind == "ERROR" or not isinstance(o, dict):
+                        expired = True
+                        break
+                    rv = o.get("metadata", {}).get("resourceVersion", rv)
+                    yield str(kind), o
+            except ApiException as e:
+                if getattr(e, "status", None) != 410:
+                    raise from_api_exception(e) from None
+                expired = True
+            finally:
+                w.stop()
+            if expired:
+                # The resourceVersion expired (410): start again from a fresh list.
+                rv, items = relist()
+                for o in items:
+                    yield "ADDED", o
+            yield None
 
     def wait_for(
         self,

@@ -19,7 +19,7 @@ from . import sandbox as _sb
 from ._client import Client
 from ._exec import ExecResult
 from .branchset import ENDED_EFFECT_STATES, EffectInfo, Effects, Event, Full, Outcome, Paths
-from .sandbox import Command, FileInfo
+from .sandbox import Command, FileInfo, PullPolicy
 
 __all__ = [
     "BranchSet",
@@ -66,8 +66,43 @@ class Sandbox:
         self.files = Files(sync.files)
 
     @classmethod
-    async def create(cls, name: str, **kwargs: Any) -> Sandbox:
-        return cls(await asyncio.to_thread(lambda: _sb.Sandbox.create(name, **kwargs)))
+    async def create(
+        cls,
+        name: str,
+        *,
+        rootfs_class: str | None = None,
+        image: str | None = None,
+        image_pull_secrets: Sequence[str] = (),
+        image_pull_policy: PullPolicy | None = None,
+        command: Command | None = None,
+        env: Mapping[str, str] | None = None,
+        working_dir: str | None = None,
+        resources: Mapping[str, str | int] | None = None,
+        egress: str | Sequence[str | Mapping[str, Any]] | None = None,
+        allow_snapshot_with_secrets: bool = False,
+        self_fork: Mapping[str, int] | None = None,
+        client: Client | None = None,
+    ) -> Sandbox:
+        """As :meth:`ramify.Sandbox.create`."""
+        return cls(
+            await asyncio.to_thread(
+                lambda: _sb.Sandbox.create(
+                    name,
+                    rootfs_class=rootfs_class,
+                    image=image,
+                    image_pull_secrets=image_pull_secrets,
+                    image_pull_policy=image_pull_policy,
+                    command=command,
+                    env=env,
+                    working_dir=working_dir,
+                    resources=resources,
+                    egress=egress,
+                    allow_snapshot_with_secrets=allow_snapshot_with_secrets,
+                    self_fork=self_fork,
+                    client=client,
+                )
+            )
+        )
 
     @classmethod
     async def get(cls, name: str, client: Client | None = None) -> Sandbox:
@@ -80,8 +115,18 @@ class Sandbox:
     async def refresh(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.sync.refresh)
 
-    async def wait_running(self, timeout: float | None = 120) -> Sandbox:
-        await asyncio.to_thread(self.sync.wait_running, timeout)
+    @property
+    def image(self) -> str | None:
+        return self.sync.image
+
+    @property
+    def image_digest(self) -> str | None:
+        return self.sync.image_digest
+
+    async def wait_running(
+        self, timeout: float | None = 120, fail_on_pull_error: bool = True
+    ) -> Sandbox:
+        await asyncio.to_thread(self.sync.wait_running, timeout, fail_on_pull_error)
         return self
 
     async def exec(

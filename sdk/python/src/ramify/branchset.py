@@ -6,12 +6,20 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
-from ._client import ANNOTATION_ABORT, API_VERSION, LABEL_BRANCHSET, Client, Obj, ready_reason
-from .errors import BranchSetFailed, CommitConflict, NotFound, RamifyError, WrongState
+from ._client import (
+    ANNOTATION_ABORT,
+    API_VERSION,
+    LABEL_BRANCH,
+    LABEL_BRANCHSET,
+    Client,
+    Obj,
+    ready_reason,
+)
+from .errors import BranchSetFailed, CommitConflict, NotFound, RamifyError, Timeout, WrongState
 from .sandbox import Command, Sandbox, argv, env_list
 
 FIRST_COMMIT_WINS = "FirstCommitWins"
@@ -173,6 +181,16 @@ class Event:
     message: str = ""
 
 
+def branch_phase(sandbox_phase: str | None) -> str:
+    """A branch's phase from its Sandbox's, as the operator derives it for the set's
+    status (before a verdict decides it)."""
+    if sandbox_phase in ("Running", "Paused", "Succeeded"):
+        return "Running"
+    if sandbox_phase in ("Failed", "Aborted"):
+        return "Failed"
+    return "Forking"
+
+
 def outcome_of(obj: Obj) -> Outcome:
     st = obj.get("status") or {}
     c = st.get("commit")
@@ -235,6 +253,7 @@ class BranchSet:
         retain_losers: bool = False,
         effects: Effects | None = None,
         name: str | None = None,
+        labels: Mapping[str, str] | None = None,
         client: Client | None = None,
     ) -> BranchSet:
         """Forks ``sandbox`` (live; snapshotted first) or ``snapshot``.
@@ -247,7 +266,8 @@ class BranchSet:
         ``/run/ramify/verdict``. ``commit=Full()`` (default) or ``Paths([...])``;
         ``policy`` ``FirstCommitWins`` (default) or ``Manual`` (then
         :meth:`commit` picks). ``timeout``: seconds until the set gives up
-        (Exhausted, parent untouched). ``effects``: the :class:`Effects` gate."""
+        (Exhausted, parent untouched). ``effects``: the :class:`Effects` gate.
+        ``labels``: the set's own labels."""
         if (sandbox is None) == (snapshot is None):
             raise RamifyError("give exactly one of sandbox or snapshot", reason="Invalid")
         if (branches is None) == (n is None):
@@ -296,7 +316,7 @@ class BranchSet:
         body = {
             "apiVersion": API_VERSION,
             "kind": "BranchSet",
-            "metadata": {"name": name},
+            "metadata": {"name": name, **({"labels": dict(labels)} if labels else {})},
             "spec": spec,
         }
         return cls(name, c, c.create(cls.plural, body))
@@ -358,9 +378,23 @@ class BranchSet:
         return out
 
     def wait_running(self, timeout: float | None = 120) -> Outcome:
-        """Waits until every branch has been forked and runs (or already decided)."""
+        """Waits until every branch has been forked and runs (or already decided), or
+        the set ends.
 
-        def done(o: Obj) -> bool:
+        It watches the branch Sandboxes themselves: a branch runs once the node agent
+        reports its Sandbox ``Running`` (after the restore or warm claim), which is
+        what the set's ``status.branches`` copies one operator reconcile later. The
+        returned :class:`Outcome` is the set's status with those branch phases
+        brought up to date. The set is read again every second meanwhile, so a set
+        that ends first (``Failed``, say) ends the wait too."""
+        meta = self.obj.get("metadata") or {}
+        uid = meta.get("uid")
+        spec = self.obj.get("spec") or {}
+        want = len(spec.get("branches") or []) or int(spec.get("replicas") or 0)
+        # Branch name -> its branch phase as the set would say it (see set_phase).
+        seen: dict[str, tuple[str, str]] = {}
+
+        def set_done(o: Obj) -> bool:
             st = o.get("status") or {}
             if st.get("phase") in ENDED_PHASES:
                 return True
@@ -372,8 +406,40 @@ class BranchSet:
                 and all(b.get("phase") in ("Running", *DECIDED_BRANCH_PHASES) for b in bs)
             )
 
-        self.obj = self.client.wait_for(self.plural, self.name, done, timeout)
-        return self.outcome()
+        if set_done(self.obj):
+            return self.outcome()
+        for ev in self.client.watch_list(Sandbox.plural, f"{LABEL_BRANCHSET}={self.name}", timeout):
+            if ev is None:
+                self.refresh()
+                if set_done(self.obj):
+                    return self.outcome()
+                continue
+            kind, o = ev
+            m = o.get("metadata") or {}
+            # Only this set's branches (not a deleted namesake's).
+            if uid and not any(r.get("uid") == uid for r in m.get("ownerReferences") or []):
+                continue
+            branch = (m.get("labels") or {}).get(LABEL_BRANCH)
+            if not branch:
+                continue
+            if kind == "DELETED":
+                seen.pop(branch, None)
+                continue
+            phase = branch_phase((o.get("status") or {}).get("phase"))
+            seen[branch] = (phase, str(m.get("name", "")))
+            if (
+                want > 0
+                and len(seen) >= want
+                and all(p in ("Running", *DECIDED_BRANCH_PHASES) for p, _ in seen.values())
+            ):
+                out = self.outcome()
+                for name, (p, sandbox) in seen.items():
+                    b = out.branches.get(name) or BranchInfo(name=name, phase=p)
+                    if b.phase in ("Pending", "Forking"):
+                        b = replace(b, phase=p)
+                    out.branches[name] = replace(b, sandbox=b.sandbox or sandbox)
+                return out
+        raise Timeout(f"branchset {self.name}: wait ended", reason="Timeout")  # pragma: no cover
 
     def wait_decided(self, timeout: float | None = None) -> Outcome:
         """Waits until every branch has a verdict (what a ``Manual`` set waits in

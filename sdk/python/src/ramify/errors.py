@@ -58,6 +58,13 @@ class SandboxFailed(RamifyError):
     """A Sandbox ended (Failed, Aborted or Succeeded) while it was waited on to run."""
 
 
+class ImagePullFailed(SandboxFailed):
+    """The node agent could not pull the sandbox's image (a wrong or missing pull
+    secret, an unknown image, the registry unreachable): ``reason`` is the ``Ready``
+    condition's (``ImagePullBackOff``, ``ErrImageNeverPull``), ``message`` carries the
+    registry's refusal."""
+
+
 class SnapshotFailed(RamifyError):
     """A Snapshot's capture failed."""
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
 
 from ._client import LABEL_BRANCHSET, Client
 from .branchset import BranchSet, Full, Paths
@@ -65,17 +66,53 @@ def _plain(x: Any) -> Any:
 @server.tool()
 async def create_sandbox(
     name: str,
-    rootfs_class: str,
-    command: str,
+    command: Annotated[
+        str | None,
+        Field(
+            description="Shell command to run (/bin/sh -c). Required with rootfs_class; "
+            "with image, unset runs the image's entrypoint and cmd."
+        ),
+    ] = None,
+    rootfs_class: Annotated[
+        str | None,
+        Field(description="A RootfsClass name. Exactly one of rootfs_class or image."),
+    ] = None,
+    image: Annotated[
+        str | None,
+        Field(
+            description="Container image reference (registry/repository:tag or "
+            "...@sha256:<digest>) whose layers become the root file system. Exactly one "
+            "of rootfs_class or image."
+        ),
+    ] = None,
+    image_pull_secrets: Annotated[
+        list[str] | None,
+        Field(
+            description="Names of kubernetes.io/dockerconfigjson Secrets in the namespace "
+            "holding the registry's credentials (for a private image)."
+        ),
+    ] = None,
+    image_pull_policy: Annotated[
+        Literal["Always", "IfNotPresent", "Never"] | None,
+        Field(
+            description="When the node asks the registry for image; unset: Always for "
+            ":latest, IfNotPresent otherwise."
+        ),
+    ] = None,
     env: dict[str, str] | None = None,
     cpu: str | None = None,
     memory: str | None = None,
     wait: bool = True,
 ) -> dict[str, Any]:
-    """Create a sandbox named `name` running the shell command `command` on the root
-    file system `rootfs_class` (a RootfsClass the administrator declared), with optional
-    environment, CPU (e.g. "250m") and memory (e.g. "256Mi"). With `wait` (default),
-    returns once it runs. Returns its name and phase."""
+    """Create a sandbox named `name` on exactly one of: `rootfs_class` (a RootfsClass
+    the administrator declared) or `image` (a container image reference such as
+    "registry.example:5000/team/app:1.2", pulled by the node with the namespace's
+    dockerconfigjson Secrets named in `image_pull_secrets`, and `image_pull_policy`).
+    `command` is a shell command (through /bin/sh -c); with an image it may be left out
+    to run the image's entrypoint and cmd. Optional environment, CPU (e.g. "250m") and
+    memory (e.g. "256Mi"). With `wait` (default), returns once it runs; an image that
+    cannot be pulled is an error naming the registry's refusal. Returns its name, phase
+    and (for an image) the pulled digest."""
 
     def go() -> dict[str, Any]:
         res: dict[str, str | int] = {}
@@ -86,6 +123,9 @@ async def create_sandbox(
         sb = Sandbox.create(
             name,
             rootfs_class=rootfs_class,
+            image=image,
+            image_pull_secrets=image_pull_secrets or (),
+            image_pull_policy=image_pull_policy,
             command=command,
             env=env,
             resources=res or None,
@@ -93,7 +133,10 @@ async def create_sandbox(
         )
         if wait:
             sb.wait_running()
-        return {"sandbox": sb.name, "phase": sb.phase}
+        out: dict[str, Any] = {"sandbox": sb.name, "phase": sb.phase}
+        if sb.image_digest:
+            out["image_digest"] = sb.image_digest
+        return out
 
     return await _run(go)
 

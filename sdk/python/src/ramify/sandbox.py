@@ -7,17 +7,30 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _exec
-from ._client import API_VERSION, Client, Obj, ready_reason
+from ._client import API_VERSION, LABEL_NODE, Client, Obj, ready_reason
 from ._exec import ExecResult
-from .errors import NotFound, RamifyError, SandboxFailed, SnapshotFailed, Timeout
+from .errors import (
+    ImagePullFailed,
+    NotFound,
+    RamifyError,
+    SandboxFailed,
+    SnapshotFailed,
+    Timeout,
+)
 
 if TYPE_CHECKING:
     from .branchset import BranchSet, CommitMode, Effects
 
 Command = str | Sequence[str]
+#: When the node agent asks the registry for ``image`` (a Pod's ``imagePullPolicy``).
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+
+#: ``Ready`` reasons of an image that will not be pulled as things stand: the agent
+#: failed it at least twice (``ImagePullBackOff``, retried on) or may not pull it.
+PULL_FAILED_REASONS = ("ImagePullBackOff", "ErrImageNeverPull")
 
 #: Phases after which a Sandbox never runs again.
 ENDED_PHASES = ("Succeeded", "Failed", "Aborted")
@@ -45,6 +58,15 @@ def network(egress: str | Sequence[str | Mapping[str, Any]] | None) -> Obj | Non
         )
     allow = [{"cidr": e} if isinstance(e, str) else dict(e) for e in egress]
     return {"egress": "Allow", "allow": allow}
+
+
+def node_label(source: Obj) -> dict[str, str]:
+    """The node label a fork of ``source`` (a Sandbox or a Snapshot, as last read) gets
+    from the operator: the node the source's status names. Set at creation, it saves
+    the operator that write (and its round trip) before the branches can go out; the
+    operator checks it against the parent and corrects it if it is wrong."""
+    node = (source.get("status") or {}).get("nodeName")
+    return {LABEL_NODE: str(node)} if node else {}
 
 
 class Sandbox:
@@ -75,8 +97,11 @@ class Sandbox:
         cls,
         name: str,
         *,
-        rootfs_class: str,
-        command: Command,
+        rootfs_class: str | None = None,
+        image: str | None = None,
+        image_pull_secrets: Sequence[str] = (),
+        image_pull_policy: PullPolicy | None = None,
+        command: Command | None = None,
         env: Mapping[str, str] | None = None,
         working_dir: str | None = None,
         resources: Mapping[str, str | int] | None = None,
@@ -86,14 +111,31 @@ class Sandbox:
         client: Client | None = None,
     ) -> Sandbox:
         """Creates a Sandbox starting ``command`` on the cluster-declared root file
-        system ``rootfs_class`` (a RootfsClass). ``resources`` takes ``cpu``,
+        system ``rootfs_class`` (a RootfsClass), or on the container ``image``
+        (exactly one of the two). An image is pulled by the node agent with the
+        namespace's Secrets named in ``image_pull_secrets`` (of type
+        ``kubernetes.io/dockerconfigjson``) and ``image_pull_policy``
+        (``"Always"``, ``"IfNotPresent"`` or ``"Never"``; unset: ``Always`` for
+        ``:latest``); without ``command`` the image's entrypoint and cmd run.
+        ``resources`` takes ``cpu``,
         ``memory`` (Kubernetes quantities) and ``pids``; ``self_fork`` (for example
         ``{"maxBranches": 4, "maxDepth": 2}``) lets the workload fork itself from
         inside (``/run/ramify/fork``). Returns at once; call
         :meth:`wait_running`. Raises :class:`~ramify.errors.Invalid` (message naming
         the field) when the API server refuses the spec."""
         c = client or Client.default()
-        spec: Obj = {"rootfs": {"class": rootfs_class}, "command": argv(command)}
+        spec: Obj = {}
+        # Neither or both: the API server refuses it, naming the field.
+        if rootfs_class is not None:
+            spec["rootfs"] = {"class": rootfs_class}
+        if image is not None:
+            spec["image"] = image
+        if image_pull_secrets:
+            spec["imagePullSecrets"] = [{"name": s} for s in image_pull_secrets]
+        if image_pull_policy is not None:
+            spec["imagePullPolicy"] = image_pull_policy
+        if command is not None:
+            spec["command"] = argv(command)
         if env:
             spec["env"] = env_list(env)
         if working_dir is not None:
@@ -134,15 +176,38 @@ class Sandbox:
     def phase(self) -> str:
         return str(self.status.get("phase", "Pending"))
 
-    def wait_running(self, timeout: float | None = 120) -> Sandbox:
+    @property
+    def image(self) -> str | None:
+        """``spec.image``, or ``None`` for a sandbox on a RootfsClass."""
+        img = (self.obj.get("spec") or {}).get("image")
+        return None if img is None else str(img)
+
+    @property
+    def image_digest(self) -> str | None:
+        """The digest of the image manifest it runs (``status.imageDigest``), once pulled."""
+        d = self.status.get("imageDigest")
+        return None if d is None else str(d)
+
+    def wait_running(self, timeout: float | None = 120, fail_on_pull_error: bool = True) -> Sandbox:
         """Waits until the sandbox's processes run. Raises :class:`SandboxFailed` (with
         its Ready condition's reason and message) if it ends first, :class:`Timeout`
-        (saying what it waits for) if it does not run in time."""
+        (saying what it waits for) if it does not run in time. With
+        ``fail_on_pull_error`` (the default), :class:`ImagePullFailed` (reason
+        ``ImagePullBackOff`` or ``ErrImageNeverPull``, the registry's words in the
+        message) as soon as the agent failed to pull the image twice (it keeps
+        retrying: pass ``False`` to wait through a registry outage)."""
         last: list[Obj] = [self.obj]
 
         def done(o: Obj) -> bool:
             last[0] = o
             phase = (o.get("status") or {}).get("phase")
+            if fail_on_pull_error and phase not in ("Running", *ENDED_PHASES):
+                reason, message = ready_reason(o)
+                if reason in PULL_FAILED_REASONS:
+                    raise ImagePullFailed(
+                        f"sandbox {self.name}: image {self.image!r} not pulled: {message}",
+                        reason=reason,
+                    )
             if phase in ENDED_PHASES:
                 reason, message = ready_reason(o)
                 ex = (o.get("status") or {}).get("exit")
@@ -259,6 +324,7 @@ class Sandbox:
             retain_losers=retain_losers,
             effects=effects,
             name=name,
+            labels=node_label(self.obj),
             client=self.client,
         )
 
@@ -445,7 +511,10 @@ class Snapshot:
         the snapshot's source sandbox. Arguments as :meth:`BranchSet.create`."""
         from .branchset import BranchSet
 
-        return BranchSet.create(snapshot=self.name, branches=branches, client=self.client, **kwargs)
+        labels = {**node_label(self.obj), **(kwargs.pop("labels", None) or {})}
+        return BranchSet.create(
+            snapshot=self.name, branches=branches, labels=labels, client=self.client, **kwargs
+        )
 
     def delete(self, wait: bool = False, timeout: float | None = 120) -> None:
         self.client.delete(self.plural, self.name)
