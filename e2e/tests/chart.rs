@@ -193,6 +193,10 @@ fn schema_rejects_bad_values_with_the_key_named() {
             "at '/agent/maxConcurrentRestores'",
         ),
         (
+            "agent.snapshotStoreQuota=lots",
+            "at '/agent/snapshotStoreQuota'",
+        ),
+        (
             "agent.image.pullPolicy=Sometimes",
             "at '/agent/image/pullPolicy'",
         ),
@@ -302,6 +306,10 @@ fn defaults_render_the_documented_deployment() {
             .iter()
             .any(|a| a.starts_with("--max-concurrent-restores")),
         "derived from the cores unless set: {args:?}"
+    );
+    assert!(
+        !args.iter().any(|a| a.starts_with("--snapshot-store-quota")),
+        "half the state directory's file system unless set: {args:?}"
     );
     assert_eq!(
         c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
@@ -541,6 +549,21 @@ fn agent_platform_is_a_value() {
             "{args:?}"
         );
     }
+}
+
+#[test]
+fn agent_snapshot_store_quota_is_a_value() {
+    let objs = objects(&template(
+        "ramify",
+        "ramify-system",
+        &["--set", "agent.snapshotStoreQuota=50Gi"],
+    ));
+    let ds = find(&objs, "DaemonSet", "ramify-node-agent");
+    let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(
+        args.contains(&"--snapshot-store-quota=50Gi"),
+        "agent args: {args:?}"
+    );
 }
 
 /// `serviceMonitor.enabled=true` adds one ServiceMonitor over both metrics Services (the
