@@ -653,3 +653,175 @@ spec:
     assert_eq!(snap.image_digest.as_deref(), Some(digest.as_str()));
     sys.teardown_and_check_clean().await;
 }
+
+/// The parent's workload: seeds a 200k-row database, then holds a large dict in memory
+/// (never written anywhere) and answers `/work/ask` with its size, so a branch shows
+/// that it runs the restored process, not a fresh one.
+const HOLD_OUT_WORKLOAD: &str = r#"
+import os, sqlite3, time
+os.makedirs('/work', exist_ok=True)
+db = sqlite3.connect('/work/app.db')
+db.execute('CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT NOT NULL)')
+db.executemany('INSERT INTO items VALUES (?, ?)', ((i, 'item-%d' % i) for i in range(200000)))
+db.commit()
+db.close()
+cache = {i: 'value-%d' % i for i in range(300000)}
+open('/work/ready', 'w').write('ok')
+while True:
+    if os.path.exists('/work/ask'):
+        os.remove('/work/ask')
+        open('/work/dict.len.tmp', 'w').write(str(len(cache)))
+        os.rename('/work/dict.len.tmp', '/work/dict.len')
+    time.sleep(0.05)
+"#;
+
+/// Every branch's verdict: all rows kept with their names, a migration recorded, the
+/// in-memory dict still there; it records the winner's dump checksum.
+const HOLD_OUT_VERDICT: &str = r#"
+import os, sqlite3, time, hashlib
+db = sqlite3.connect('/work/app.db')
+assert db.execute('SELECT count(*) FROM items').fetchone()[0] == 200000
+assert db.execute("SELECT count(*) FROM items WHERE name = ''").fetchone()[0] == 0
+m = db.execute('SELECT name FROM migration').fetchone()[0]
+open('/work/ask', 'w').write('1')
+for _ in range(400):
+    if os.path.exists('/work/dict.len'):
+        break
+    time.sleep(0.05)
+assert open('/work/dict.len').read() == '300000'
+dump = hashlib.sha256('\n'.join(db.iterdump()).encode()).hexdigest()
+open('/work/verdict.sum', 'w').write(m + ' ' + dump)
+"#;
+
+/// The dump checksum of the parent's database, as the verdict computes it.
+const HOLD_OUT_SUM: &str = r#"
+import sqlite3, hashlib
+db = sqlite3.connect('/work/app.db')
+m = db.execute('SELECT name FROM migration').fetchone()[0]
+print(m + ' ' + hashlib.sha256('\n'.join(db.iterdump()).encode()).hexdigest())
+"#;
+
+/// The hold-out workload on the python+sqlite image: five destructive migrations of a
+/// 200k-row database race; the two that keep every row pass their verdict, exactly
+/// one commits, the parent's database is then the winner's (the same dump), its
+/// in-memory dict survived, and nothing of the losers is left on the node.
+#[tokio::test]
+async fn five_destructive_migrations_of_a_seeded_database_commit_exactly_one() {
+    let _serial = SERIAL.lock().await;
+    let reg = Registry::shared();
+    let sys = system("img-holdout").await;
+    let (ws, _) = reg.image("workspace:py");
+    let sandbox = serde_json::json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+        "metadata": {"name": "db"},
+        "spec": {
+            "image": ws,
+            "command": ["python3", "-c", "import os; exec(os.environ['WORKLOAD'])"],
+            "env": [{"name": "WORKLOAD", "value": HOLD_OUT_WORKLOAD}],
+            "resources": {"cpu": "250m", "memory": "512Mi"},
+        }
+    });
+    let t0 = Instant::now();
+    sys.apply(&sandbox.to_string());
+    running(&sys, "db", 600).await;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while sys.exec("db", "cat /work/ready").1 != "ok" {
+        assert!(Instant::now() < deadline, "the database was never seeded");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let seeded = t0.elapsed();
+    let migrate = |sql: &str| {
+        vec![
+            "python3".to_string(),
+            "-c".into(),
+            format!(
+                "import sqlite3; db = sqlite3.connect('/work/app.db'); db.executescript({sql:?}); db.commit()"
+            ),
+        ]
+    };
+    let record = |name: &str| {
+        format!(" CREATE TABLE migration (name TEXT); INSERT INTO migration VALUES ('{name}');")
+    };
+    let branches = [
+        ("drop", "DROP TABLE items;".to_string()),
+        ("halve", "DELETE FROM items WHERE id % 2 = 0;".to_string()),
+        (
+            "score",
+            "ALTER TABLE items ADD COLUMN score INTEGER NOT NULL DEFAULT 0; UPDATE items SET score = id * 2;".to_string()
+                + &record("score"),
+        ),
+        ("blank", "UPDATE items SET name = '';".to_string() + &record("blank")),
+        (
+            "index",
+            "CREATE INDEX items_name ON items(name); ALTER TABLE items ADD COLUMN flag INTEGER NOT NULL DEFAULT 1;".to_string()
+                + &record("index"),
+        ),
+    ];
+    let set = serde_json::json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "BranchSet",
+        "metadata": {"name": "migrate"},
+        "spec": {
+            "source": {"sandbox": "db"},
+            "branches": branches.iter().map(|(n, sql)| serde_json::json!({"name": n, "run": migrate(sql)})).collect::<Vec<_>>(),
+            "verdict": {"command": ["python3", "-c", HOLD_OUT_VERDICT], "timeoutSeconds": 300},
+            "commit": {"mode": "Full"},
+            "timeoutSeconds": 900,
+        }
+    });
+    let t1 = Instant::now();
+    sys.apply(&set.to_string());
+    let bs = sys
+        .wait_branchset("migrate", "ended", 900, |b: &ramify_crds::BranchSet| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let forked = t1.elapsed();
+    let st = bs.status.unwrap();
+    assert_eq!(st.phase, ramify_crds::BranchSetPhase::Committed, "{st:#?}");
+    let winner = st.winner.clone().unwrap();
+    assert!(
+        winner == "score" || winner == "index",
+        "{winner} kept every row? {st:#?}"
+    );
+    sys.wait_branches_gone("migrate", 120).await;
+    let parent = sys.sandboxes().get("db").await.unwrap().status.unwrap();
+    assert_eq!(parent.commits, 1, "exactly one commit");
+    // The parent's database is the winner's: the same dump its verdict recorded.
+    let recorded = exec_ok(&sys, "db", "cat /work/verdict.sum");
+    assert!(recorded.starts_with(&format!("{winner} ")), "{recorded}");
+    let now = exec_ok(
+        &sys,
+        "db",
+        &format!("python3 -c {}", shell_quote(HOLD_OUT_SUM)),
+    );
+    assert_eq!(now, recorded, "the parent's database is the winner's");
+    // Its in-memory dict came with it.
+    exec_ok(&sys, "db", "rm -f /work/dict.len; echo 1 > /work/ask");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sys.exec("db", "cat /work/dict.len").1 != "300000" {
+        assert!(Instant::now() < deadline, "the parent's dict is gone");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Nothing of the losers: only the parent's sandbox is on the node.
+    let left: Vec<String> = std::fs::read_dir(sys.state_dir.join("engine/sandboxes"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left.len(), 1, "sandboxes on the node: {left:?}");
+    let verdicts: Vec<String> = st
+        .branches
+        .iter()
+        .map(|b| format!("{}={:?}", b.name, b.verdict))
+        .collect();
+    eprintln!(
+        "hold-out: seeded 200k rows + a 300k-entry dict in {} ms; 5 migrations forked, judged and {winner} committed in {} ms; verdicts {verdicts:?}",
+        seeded.as_millis(),
+        forked.as_millis()
+    );
+    sys.teardown_and_check_clean().await;
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}

@@ -4,7 +4,10 @@
 //!   cargo run -p ramify-node-agent --bin ramify-bench -- [--claims 200] [--dirty 0,64,256] [--forks 1,2,4,8]
 //!
 //! Then the platform scenario: the same system-call-heavy branch workload on systrap and
-//! on ptrace (`--compare-platforms`), both printed with their ratio.
+//! on ptrace (`--compare-platforms`), both printed with their ratio. With
+//! `--scenarios images --image REF [--insecure-registry loopback]`: the first pull of
+//! an image, starts on it with its layers cached against plain `runsc run` of the same
+//! root by hand, and the disk its sandboxes use.
 //!
 //! Needs root, runsc, busybox-static, containernetworking-plugins, iptables.
 
@@ -49,8 +52,20 @@ struct Args {
     /// it on the same 2 cores; `quiet`: wait for a full pool before each claim.
     #[arg(long, default_value = "busy")]
     claim_mode: String,
+    /// The image of the `images` scenario (e.g. the test registry's
+    /// `127.0.0.1:PORT/workspace:py`).
+    #[arg(long)]
+    image: Option<String>,
+    /// Registries the `images` scenario speaks plain HTTP to (`loopback`: any on it).
+    #[arg(long)]
+    insecure_registry: Vec<String>,
+    /// Sandboxes the `images` scenario starts (and keeps, for the disk figure).
+    #[arg(long, default_value_t = 10)]
+    image_starts: usize,
 }
 
+#[path = "ramify-bench/images.rs"]
+mod images;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
 
@@ -172,6 +187,24 @@ async fn plain_checkpoint_restore(
     Ok((ck, t.elapsed()))
 }
 
+/// SIGKILLs every process whose command line names `root` (a by-hand runsc root),
+/// until none is left (2 s at most).
+async fn kill_mentioning(root: &str) {
+    for _ in 0..100 {
+        let pids = pids_mentioning(root);
+        if pids.is_empty() {
+            break;
+        }
+        for pid in pids {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
@@ -245,6 +278,23 @@ async fn main() -> Result<()> {
             &dir,
             PREFIX,
         )
+        .await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "images") {
+        let Some(reference) = args.image.as_deref() else {
+            bail!("the images scenario needs --image");
+        };
+        result = images::ImageBench {
+            engine: &engine,
+            placement: &placement,
+            dir: &dir,
+            rootfs_cache: &dir.join("rootfs-cache"),
+            reference,
+            insecure: args.insecure_registry.clone(),
+            starts: args.image_starts,
+            prefix: PREFIX,
+        }
+        .run()
         .await;
     }
     // `run` destroys every sandbox it holds, on success and on error; leftovers of a
@@ -339,20 +389,7 @@ async fn plain_parallel_restore(
     }
     let took = t.elapsed();
     for (p, sdir) in placed {
-        let root = sdir.join("runsc-root").to_string_lossy().into_owned();
-        for _ in 0..100 {
-            let pids = pids_mentioning(&root);
-            if pids.is_empty() {
-                break;
-            }
-            for pid in pids {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        kill_mentioning(&sdir.join("runsc-root").to_string_lossy()).await;
         ramify_node_agent::cgroup::remove(&p.cgroups_path)?;
         placement.release(&p).await?;
         std::fs::remove_dir_all(&sdir)?;
