@@ -39,6 +39,9 @@ cgroup_parent="${RAMIFY_DEMO_CGROUP_PARENT:-/ramify}"
 node="$(hostname)"
 # ramify-api's port: next to the control plane's (hack/controlplane/up.sh uses base+0..5).
 api_port=$(( ${RAMIFY_CP_PORT_BASE:-16440} + 6 ))
+# The local OCI registry of the image step (it also takes the next port).
+registry_port="${RAMIFY_DEMO_REGISTRY_PORT:-15100}"
+registry_dir="$state/registry"
 # The agent's only rootfs root (the RootfsClass `busybox` points inside it) and its
 # cache of unpacked OCI layouts; neither overlaps the agent's state.
 rootfs_root="/var/lib/ramify/rootfs"
@@ -51,9 +54,9 @@ fi
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 if [[ "${1:-}" == "config" ]]; then
-  printf 'state %s\ncontrolplane %s\ncontrolplane-ports %s\napi-port %s\nagent-state %s\nrootfs-cache %s\noperator-metrics %s\nagent-metrics %s\nbridge %s\nsubnet %s\ncgroup-parent %s\n' \
+  printf 'state %s\ncontrolplane %s\ncontrolplane-ports %s\napi-port %s\nagent-state %s\nrootfs-cache %s\noperator-metrics %s\nagent-metrics %s\nbridge %s\nsubnet %s\ncgroup-parent %s\nregistry-port %s\n' \
     "$state" "$RAMIFY_CP_DIR" "${RAMIFY_CP_PORT_BASE:-16440}" "$api_port" "$agent_state" "$rootfs_cache" \
-    "$operator_metrics" "$agent_metrics" "$bridge" "$subnet" "$cgroup_parent"
+    "$operator_metrics" "$agent_metrics" "$bridge" "$subnet" "$cgroup_parent" "$registry_port"
   exit 0
 fi
 
@@ -78,6 +81,7 @@ if [[ "${1:-}" == "down" ]]; then
   stop_pid api
   stop_pid operator
   stop_pid node-agent
+  RAMIFY_REGISTRY_DIR="$registry_dir" hack/registry/down.sh >/dev/null 2>&1 || true
   if [[ -x target/debug/ramify-node-agent ]]; then
     target/debug/ramify-node-agent cleanup --state-dir "$agent_state" || true
   fi
@@ -120,7 +124,7 @@ echo $! >"$state/operator.pid"
 # Its endpoint (exec, log, diff) serves ramify-api's client certificate only.
 setsid target/debug/ramify-node-agent --runsc "$runsc_bin" run --node-name "$node" --state-dir "$agent_state" \
   --metrics-addr "$agent_metrics" --bridge "$bridge" --subnet "$subnet" --cgroup-parent "$cgroup_parent" \
-  --rootfs-root "$rootfs_root" --rootfs-cache "$rootfs_cache" --endpoint-listen 127.0.0.1:0 \
+  --rootfs-root "$rootfs_root" --rootfs-cache "$rootfs_cache" --insecure-registry loopback --endpoint-listen 127.0.0.1:0 \
   --endpoint-cert "$pki/agent.crt" --endpoint-key "$pki/agent.key" --endpoint-client-ca "$pki/ca.crt" \
   >"$state/node-agent.log" 2>&1 </dev/null &
 echo $! >"$state/node-agent.pid"
@@ -137,6 +141,12 @@ hack/apiservice.sh ramify-system "$api_port" "$pki/ca.crt" | kubectl apply -f - 
 kubectl apply -f config/rbac/user-roles.yaml >/dev/null
 kubectl wait apiservice/v1alpha1.subresources.ramify.dev --for=condition=Available --timeout=60s >/dev/null || {
   kubectl get apiservice v1alpha1.subresources.ramify.dev -o yaml; tail -n 20 "$state/api.log"; exit 1; }
+
+say "a local OCI registry on 127.0.0.1:$registry_port with test images (hack/registry, hack/images)"
+export RAMIFY_REGISTRY_DIR="$registry_dir" RAMIFY_REGISTRY_PORT="$registry_port"
+hack/registry/up.sh >/dev/null
+hack/images/build.sh push >/dev/null
+unset RAMIFY_REGISTRY_DIR RAMIFY_REGISTRY_PORT
 
 say "a live workspace: counting in memory, config on disk (config/samples/sandbox.yaml)"
 kubectl delete branchset try-fixes --ignore-not-found --wait=true >/dev/null
@@ -158,6 +168,14 @@ echo
 winner="$(kubectl get branchset try-fixes -o jsonpath='{.status.winner}')"
 say "winner: $winner — committed into workspace; the other branches are gone"
 echo "   /work/app.conf: $(exec_in workspace cat /work/app.conf)   counter: $(exec_in workspace cat /work/counter) (still counting: the winner's live process is the workspace now)"
+
+say "a sandbox from a container image (config/samples/sandbox-image.yaml): Debian with python3 and sqlite3"
+kubectl delete sandbox py --ignore-not-found --wait=true >/dev/null
+sed "s#127.0.0.1:15100/#127.0.0.1:$registry_port/#" config/samples/sandbox-image.yaml | kubectl apply -f - >/dev/null
+kubectl wait sandbox/py --for=jsonpath='{.status.phase}'=Running --timeout=300s >/dev/null || {
+  kubectl get sandbox py -o yaml; tail -n 30 "$state/node-agent.log"; exit 1; }
+echo "   image: $(kubectl get sandbox py -o jsonpath='{.spec.image}')@$(kubectl get sandbox py -o jsonpath='{.status.imageDigest}' | cut -c1-19)…"
+echo "   $(exec_in py python3 -c 'import sqlite3, sys; print("python", sys.version.split()[0], "sqlite", sqlite3.sqlite_version)')"
 echo
 echo "Explore:   export KUBECONFIG=$RAMIFY_CP_DIR/kubeconfig PATH=$(dirname "$(command -v kubectl)"):$repo/target/debug:\$PATH"
 echo "           kubectl get sandboxes,snapshots,branchsets; kubectl ramify status workspace (README: kubectl ramify)"

@@ -65,7 +65,8 @@ step "the demo end to end (make demo), beside any running demo, checked for a co
 test_demo() {
   env RAMIFY_DEMO_DIR="$repo/.ramify/test-demo" RAMIFY_CP_DIR="$repo/.ramify/test-demo/controlplane" \
     RAMIFY_CP_PORT_BASE=16640 RAMIFY_DEMO_METRICS_PORT=18180 RAMIFY_DEMO_BRIDGE=rmytdemo0 \
-    RAMIFY_DEMO_SUBNET=10.90.0.0/16 RAMIFY_DEMO_CGROUP_PARENT=/ramify-test-demo hack/demo.sh "$@"
+    RAMIFY_DEMO_SUBNET=10.90.0.0/16 RAMIFY_DEMO_CGROUP_PARENT=/ramify-test-demo RAMIFY_DEMO_REGISTRY_PORT=15200 \
+    hack/demo.sh "$@"
 }
 # Nothing the user's demo owns is the test demo's (the shared rootfs is only read).
 shared="$(comm -12 <(env -u RAMIFY_CP_DIR -u RAMIFY_CP_PORT_BASE hack/demo.sh config | cut -d' ' -f2 | sort) \
@@ -78,6 +79,7 @@ fi
 tail -n 12 "$demo_log"
 grep -q "winner: fix-b" "$demo_log" || { echo "the demo did not commit fix-b" >&2; test_demo down || true; exit 1; }
 grep -q "/work/app.conf: mode=fast" "$demo_log" || { echo "the winner's change is not in the parent" >&2; test_demo down || true; exit 1; }
+grep -q "python 3.* sqlite 3" "$demo_log" || { echo "the sandbox from an image did not run python" >&2; test_demo down || true; exit 1; }
 # Every `kubectl ramify` example of the README, as printed, against the running demo.
 if ! RAMIFY_CP_DIR="$repo/.ramify/test-demo/controlplane" hack/demo-check.sh 2>&1 | tee -a "$demo_log"; then
   echo "a README kubectl ramify example failed against the demo" >&2
