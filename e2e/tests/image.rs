@@ -458,7 +458,8 @@ async fn hostile_layers_are_refused_or_contained() {
     let reg = Registry::shared();
     let sys = system("img-hostile").await;
     let cmd = "  command: [\"/bin/sh\", \"-c\", \"sleep 3600\"]\n";
-    for kind in ["dotdot", "symlink", "hardlink"] {
+    // `corrupt`: a layer altered after the push, refused at download by its sha256.
+    for kind in ["dotdot", "symlink", "hardlink", "corrupt"] {
         let (r, _) = reg.image(&format!("hostile/{kind}:1"));
         sys.apply(&image_sandbox(kind, &r, cmd));
         let sb = sys

@@ -9,6 +9,7 @@
 //! - [`exit_reason`]: why a sandbox ended (exit code, signal, out-of-memory, pids limit).
 //! - [`capacity`]: the sandbox allocatable, its ceiling cgroup, fair admission gates.
 //! - [`freezer`]: who freezes and thaws a sandbox (decided branches, a look into one).
+//! - [`node_release`]: at a graceful stop with nothing running, the bridge and cgroup parent go.
 //! - [`procfs`]: host processes from `/proc` (pids by command line, start times).
 
 pub mod agent;
@@ -24,6 +25,7 @@ pub mod exit_reason;
 pub mod fault;
 pub mod freezer;
 pub mod image;
+pub mod node_release;
 pub mod placement;
 pub mod platform;
 pub mod pod_cgroup;

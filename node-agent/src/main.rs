@@ -192,6 +192,12 @@ enum Command {
         /// Pod: the chart sets it). See pod_cgroup.rs.
         #[arg(long, env = "RAMIFY_LEAVE_POD_CGROUP", default_value_t = false)]
         leave_pod_cgroup: bool,
+        /// On a graceful stop with nothing left running, remove the bridge and the
+        /// cgroup parent too (a bridge with a port, or a cgroup in use, is kept: an
+        /// upgrade's agent stops while sandboxes run). The chart sets it, so `helm
+        /// uninstall` leaves the node as it was. See node_release.rs.
+        #[arg(long, env = "RAMIFY_RELEASE_NODE_ON_EXIT", default_value_t = false)]
+        release_node_on_exit: bool,
         #[command(flatten)]
         capacity_args: Box<CapacityArgs>,
         #[command(flatten)]
@@ -394,6 +400,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             subnet,
             cgroup_parent,
             leave_pod_cgroup,
+            release_node_on_exit,
             capacity_args,
             rootfs,
             registries,
@@ -510,6 +517,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             ));
             health.set_ready(true);
             agent::run(agent).await?;
+            if release_node_on_exit {
+                ramify_node_agent::node_release::release_unused(&bridge, &cgroup_parent);
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Exec {
