@@ -110,16 +110,7 @@ impl System {
         let rootfs_root = repo_root().join(".ramify/e2e/roots");
         let rootfs = rootfs_root.join("busybox");
         let agent_bin = binary("ramify-node-agent").unwrap();
-        let out = Command::new(&agent_bin)
-            .args(["rootfs", "--out"])
-            .arg(&rootfs)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "rootfs: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        busybox_rootfs(&rootfs);
         let rootfs_class = declare_rootfs_class(&client, ROOTFS_CLASS, &rootfs).await;
         let runsc = runsc();
         let pki = crate::access::pki(&base.join("pki"), &system_ns.name);
@@ -593,6 +584,23 @@ spec:
         self.agent.kill().unwrap();
         remove_cgroup_parents(&format!("ramify-e2e-{}", self.suffix));
     }
+}
+
+/// Builds the busybox root filesystem at `out` (`ramify-node-agent rootfs`), as an
+/// administrator puts one inside an agent's rootfs root; panics saying why it failed.
+pub fn busybox_rootfs(out: &Path) {
+    let agent_bin = binary("ramify-node-agent").unwrap_or_else(|e| panic!("{e}"));
+    let built = Command::new(&agent_bin)
+        .args(["rootfs", "--out"])
+        .arg(out)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", agent_bin.display()));
+    assert!(
+        built.status.success(),
+        "rootfs {}: {}",
+        out.display(),
+        String::from_utf8_lossy(&built.stderr)
+    );
 }
 
 /// The RootfsClass of the e2e busybox rootfs (cluster-scoped, shared by every system).

@@ -548,17 +548,7 @@ async fn helm_install_fork_commit_upgrade_uninstall_on_the_real_node() {
     // The rootfs root mount: a Sandbox of a RootfsClass whose root filesystem the
     // administrator put inside `agent.rootfsRoots` on the node.
     let class_root = Path::new(ROOTFS_ROOT).join("busybox");
-    let out = Command::new(ramify_e2e::binary("ramify-node-agent").unwrap())
-        .args(["rootfs", "--out"])
-        .arg(&class_root)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "building {}: {}",
-        class_root.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ramify_e2e::system::busybox_rootfs(&class_root);
     bed.kubectl_ok(
         &["apply", "-f", "-"],
         Some(&format!(
