@@ -8,6 +8,8 @@
 pub mod access;
 pub mod node;
 pub mod registry;
+pub mod scale;
+pub mod simulated_agent;
 pub mod system;
 
 use std::path::{Path, PathBuf};
@@ -37,6 +39,21 @@ pub enum HarnessError {
     Io(#[from] std::io::Error),
     #[error("yaml: {0}")]
     Yaml(#[from] serde_yaml::Error),
+}
+
+/// A Kubernetes API call that failed, with what it was for.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct ApiCallError {
+    pub what: String,
+    #[source]
+    pub source: kube::Error,
+}
+
+/// Maps a failed API call to an [`ApiCallError`] saying `what` it was for.
+pub fn api_call(what: impl Into<String>) -> impl FnOnce(kube::Error) -> ApiCallError {
+    let what = what.into();
+    move |source| ApiCallError { what, source }
 }
 
 /// The repository root (this crate lives in `<repo>/e2e`).
@@ -100,12 +117,7 @@ impl ControlPlane {
 
     /// A client authenticated as the cluster admin.
     pub async fn client(&self) -> Result<Client, HarnessError> {
-        let kc = Kubeconfig::read_from(&self.kubeconfig)
-            .map_err(|e| HarnessError::Kubeconfig(e.to_string()))?;
-        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-            .await
-            .map_err(|e| HarnessError::Kubeconfig(e.to_string()))?;
-        Ok(Client::try_from(config)?)
+        client_from(&self.kubeconfig).await
     }
 
     /// A `kubectl` command bound to this control plane.
@@ -192,6 +204,17 @@ impl ControlPlane {
         }
         Ok(())
     }
+}
+
+/// A client authenticated by `kubeconfig` (another user than the admin: see
+/// [`ControlPlane::user_kubeconfig`]).
+pub async fn client_from(kubeconfig: &Path) -> Result<Client, HarnessError> {
+    let kc =
+        Kubeconfig::read_from(kubeconfig).map_err(|e| HarnessError::Kubeconfig(e.to_string()))?;
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| HarnessError::Kubeconfig(e.to_string()))?;
+    Ok(Client::try_from(config)?)
 }
 
 /// What a kubectl run printed.

@@ -151,6 +151,8 @@ pub struct Context {
     pub nodes: crate::nodes::NodeCache,
     /// The controllers' per-object backoff, and their reports of permanent failures.
     pub settler: ramify_runtime::settle::Settler,
+    /// Branches and snapshots created and not yet seen by the watch.
+    pub expectations: crate::expectations::Expectations,
 }
 
 impl Context {
@@ -177,6 +179,7 @@ impl Context {
             recorder,
             settings,
             nodes: crate::nodes::NodeCache::default(),
+            expectations: crate::expectations::Expectations::default(),
         }
     }
 

@@ -8,6 +8,7 @@ pub mod capacity;
 pub mod context;
 pub mod effects;
 pub mod error;
+pub mod expectations;
 pub mod gauges;
 pub mod leader;
 pub mod metrics;

@@ -189,7 +189,7 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         &api,
         &name,
         ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING,
-        sbx.resource_version().as_deref(),
+        binding_guard(sbx).as_deref(),
         &json!({"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()}),
     )
     .await?;
@@ -211,6 +211,21 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         .await;
     }
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// The resourceVersion a binding is written against: the one the node was chosen on,
+/// so a choice made on a stale object is not written; none for a sandbox its spec
+/// pins, whose node was never chosen. A branch is bound by its BranchSet's reconcile
+/// the moment it is created, so this reconcile, started on the object as created,
+/// lost that race on almost every branch: with a guard, one failed write after
+/// another (retried at once while the cache trailed: 916 at 400 branches), and the
+/// same binding in the end.
+fn binding_guard(sbx: &Sandbox) -> Option<String> {
+    if sbx.spec.node_name.is_some() {
+        None
+    } else {
+        sbx.resource_version()
+    }
 }
 
 /// A sandbox that does not fit yet: `Scheduled` False says why; it is looked at again
@@ -332,4 +347,24 @@ async fn release_if_unbound_or_lost(
         return Ok(Action::await_change());
     }
     Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_binding_the_operator_chose_is_guarded() {
+        let mut sbx: Sandbox = serde_json::from_value(json!({
+            "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+            "metadata": {"name": "s", "namespace": "ns", "resourceVersion": "7"},
+            "spec": {"command": ["sh"]},
+        }))
+        .unwrap();
+        assert_eq!(binding_guard(&sbx).as_deref(), Some("7"));
+        // A branch (or any pinned sandbox): its node is its spec's, whatever changed.
+        sbx.spec.node_name = Some("vm".into());
+        assert_eq!(binding_guard(&sbx), None);
+    }
 }
