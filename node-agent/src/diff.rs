@@ -32,6 +32,24 @@ grep -v '\\' "$L" | tr '\n' '\0' | xargs -0 -r sha256sum | sed 's/^\([0-9a-f]*\)
 echo "E $(grep -v '\\' "$L" | wc -l)"
 rm -f "$L""#;
 
+/// Every path in `deleted` is absent from a second manifest `again` too: otherwise
+/// the first manifest missed files that exist, and no deletion of it is trusted.
+pub fn deletions_confirmed(deleted: &[Change], again: &Manifest) -> Result<()> {
+    let present: Vec<&str> = deleted
+        .iter()
+        .map(|c| c.path.as_str())
+        .filter(|p| again.contains_key(*p))
+        .collect();
+    if present.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "commit refused: the winner's file manifest left out {} file(s) a second manifest lists (first: {}); no deletion is committed on a manifest that disagrees",
+        present.len(),
+        shown(present[0])
+    )))
+}
+
 /// Longest path accepted in a manifest (Linux PATH_MAX).
 pub const MAX_PATH: usize = 4096;
 /// Most skipped paths reported per manifest (the rest are counted, not listed).
@@ -449,6 +467,29 @@ mod tests {
     /// What turned a Paths commit into deleting every tracked file of the parent: a
     /// manifest that came back empty (or cut short) looked like a branch that deleted
     /// everything. Without its end mark, or with fewer lines than it counts, it is refused.
+    #[test]
+    fn a_deletion_is_trusted_only_when_a_second_manifest_agrees() {
+        let gone = vec![
+            Change {
+                path: "/w/a".into(),
+                size: 0,
+            },
+            Change {
+                path: "/w/b".into(),
+                size: 0,
+            },
+        ];
+        let (agrees, _) = parse_manifest(&format!("S 1 /w/c\nH {H1} /w/c\nE 1\n")).unwrap();
+        assert!(deletions_confirmed(&gone, &agrees).is_ok());
+        // The first manifest came back empty; the second lists the files.
+        let (lists, _) = parse_manifest(&format!(
+            "S 3 /w/a\nH {H1} /w/a\nS 1 /w/b\nH {H1} /w/b\nE 2\n"
+        ))
+        .unwrap();
+        let err = deletions_confirmed(&gone, &lists).unwrap_err().to_string();
+        assert!(err.contains("2 file(s)") && err.contains("/w/a"), "{err}");
+    }
+
     #[test]
     fn a_manifest_cut_short_is_refused_not_read_as_deletions() {
         assert!(parse_manifest("").is_err());

@@ -104,6 +104,14 @@ impl Engine {
         let allow = diff::globset(globs)?;
         let (now, skipped) = self.manifest(winner, globs).await?;
         let d = diff::diff(baseline, &now, &allow);
+        if !d.deleted.is_empty() {
+            // A deletion is committed only when a second manifest agrees: a manifest
+            // that came back whole but empty (seen once under load: every tracked
+            // file of the parent was deleted by a commit) must not read as "the
+            // branch deleted everything". Refused, the commit is retried.
+            let (again, _) = self.manifest(winner, globs).await?;
+            diff::deletions_confirmed(&d.deleted, &again)?;
+        }
         let mut copy: Vec<String> = d
             .added
             .iter()
