@@ -32,6 +32,7 @@ use crate::common::{Condition, EnvVar};
     validation = Rule::new("has(self.image) != has(self.rootfs)").message("exactly one of spec.image or spec.rootfs must be set").field_path(".rootfs"),
     validation = Rule::new("has(self.restoreFrom) || has(self.image) || (has(self.command) && size(self.command) > 0)").message("spec.command must not be empty unless spec.restoreFrom is set (a restored sandbox continues its snapshotted processes) or spec.image is (its config supplies the command)").field_path(".command"),
     validation = Rule::new("has(self.restoreFrom) == has(oldSelf.restoreFrom) && (!has(self.restoreFrom) || self.restoreFrom == oldSelf.restoreFrom)").message("spec.restoreFrom is immutable").field_path(".restoreFrom"),
+    validation = Rule::new("!has(self.suspended) || !self.suspended || !has(self.restoreFrom) || !has(self.restoreFrom.branch)").message("spec.suspended cannot be set on a branch of a BranchSet (its run decides it; suspend the workspace it was forked from instead)").field_path(".suspended"),
     validation = Rule::new("has(self.image) == has(oldSelf.image) && (!has(self.image) || self.image == oldSelf.image) && has(self.rootfs) == has(oldSelf.rootfs) && (!has(self.rootfs) || self.rootfs == oldSelf.rootfs)").message("spec.image and spec.rootfs are immutable").field_path(".rootfs"),
 )]
 #[serde(rename_all = "camelCase")]
@@ -97,6 +98,13 @@ pub struct SandboxSpec {
     /// a request from inside is then refused with a message saying so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub self_fork: Option<SelfFork>,
+    /// Suspend the sandbox: its node agent checkpoints it (processes, memory and files)
+    /// into an image on the node and stops it, so it holds no process, CPU or memory of
+    /// the node (phase `Suspended`); setting it back to `false` restores it from that
+    /// image where it left off, when its request fits the node again. A Snapshot of a
+    /// suspended sandbox is taken from that image without waking it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suspended: bool,
 }
 
 /// What a workload may ask for when it forks itself from inside: it writes
@@ -276,7 +284,20 @@ pub enum SandboxPhase {
     Failed,
     /// Stopped by ramify (an aborted or invalidated branch).
     Aborted,
+    /// Checkpointed to an image on its node and stopped (`spec.suspended`): nothing of
+    /// it runs; it resumes where it left off.
+    Suspended,
 }
+
+/// Condition type of a Sandbox: whether it is suspended (`True` since its
+/// lastTransitionTime, on the node its message names) or was resumed.
+pub const CONDITION_SUSPENDED: &str = "Suspended";
+/// Reason of `Suspended=True`: checkpointed and stopped.
+pub const REASON_SUSPENDED: &str = "Suspended";
+/// Reason of `Suspended=False` after a resume.
+pub const REASON_RESUMED: &str = "Resumed";
+/// Reason of `Suspended=False` when a suspend was refused (it keeps running).
+pub const REASON_SUSPEND_FAILED: &str = "SuspendFailed";
 
 /// Observed state of a Sandbox, written by the operator and the node agent.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]

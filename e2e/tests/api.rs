@@ -293,6 +293,11 @@ fn invalid_cases() -> Vec<Invalid> {
                 expect: &["spec.command", "must not be empty unless spec.restoreFrom"],
             },
             Invalid {
+                what: "a branch asked to suspend",
+                yaml: "  rootfs: {class: r}\n  restoreFrom: {snapshot: s, branch: {branchSet: bs, name: b0, index: 0}}\n  suspended: true\n",
+                expect: &["spec.suspended", "cannot be set on a branch"],
+            },
+            Invalid {
                 what: "egress Allow without destinations",
                 yaml: "  rootfs: {class: r}\n  command: [sh]\n  network: {egress: Allow}\n",
                 expect: &["spec.network.allow", "lists destinations"],

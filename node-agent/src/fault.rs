@@ -25,6 +25,11 @@ pub const FULL_COMMIT_RECORDED: &str = "full-commit-recorded";
 /// applied yet.
 pub const PATHS_COMMIT_ADMITTED: &str = "paths-commit-admitted";
 
+/// A suspend is recorded in the sandbox's record; runsc is not asked to checkpoint yet.
+pub const SUSPEND_RECORDED: &str = "suspend-recorded";
+/// A suspend's checkpoint stopped the sandbox; its image is not sealed yet.
+pub const SUSPEND_CHECKPOINTED: &str = "suspend-checkpointed";
+
 /// A sandbox's network release (its rules, its IP lease, its netns) fails once,
 /// after the teardown's other steps ran.
 pub const RELEASE_FAILS: &str = "release-fails";

@@ -6,7 +6,8 @@
 //! What a sandbox holds: its request while it runs (or is being started). A terminal
 //! sandbox holds nothing; nor does a decided branch: the agent freezes it and gives
 //! its CPU back (the agent counts the memory it keeps; the operator cannot see that).
-//! A warm pool holds memory for each of its frozen branches.
+//! A warm pool holds memory for each of its frozen branches. A suspended sandbox holds
+//! nothing until it resumes.
 
 use ramify_crds::capacity::{self as cap, Requests, Waiting, group_of, rank_of};
 use ramify_crds::{Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
@@ -52,7 +53,13 @@ pub fn holds(s: &Sandbox) -> Requests {
         .as_ref()
         .and_then(|st| st.branch.as_ref())
         .is_some_and(|b| b.verdict.is_some());
-    if terminal(s) || decided {
+    // A suspended sandbox is an image on disk: no process of it runs. Its resume asks
+    // the node agent for its request again.
+    let suspended = s
+        .status
+        .as_ref()
+        .is_some_and(|st| st.phase == SandboxPhase::Suspended);
+    if terminal(s) || decided || suspended {
         Requests::ZERO
     } else {
         s.spec.requests()
@@ -324,6 +331,24 @@ mod tests {
                 "vm",
                 &alloc(),
                 &[&ended, &big],
+                &Requests::ZERO,
+                &pinned
+            ),
+            Decision::Bind
+        );
+        // A suspended one holds nothing either (an image on disk); resumed, it asks again.
+        let asleep = sbx(
+            "ws",
+            "1",
+            json!({"phase": "Suspended", "nodeName": "vm", "sandboxId": "x"}),
+        );
+        assert_eq!(holds(&asleep), Requests::ZERO);
+        assert_eq!(
+            decide(
+                &big,
+                "vm",
+                &alloc(),
+                &[&asleep, &big],
                 &Requests::ZERO,
                 &pinned
             ),

@@ -119,6 +119,7 @@ mod tests {
                 node_name: None,
                 allow_snapshot_with_secrets: false,
                 self_fork: None,
+                suspended: false,
             },
         );
         sbx.metadata.namespace = Some("team".into());

@@ -109,7 +109,7 @@ impl Admission {
         rx
     }
 
-    fn remember_ref(&self, uid: &str, obj: &SandboxObj) {
+    pub(super) fn remember_ref(&self, uid: &str, obj: &SandboxObj) {
         if let Ok(mut m) = self.triggers.refs.lock() {
             m.entry(uid.to_string()).or_insert_with(|| {
                 ObjectRef::new(&obj.name_any()).within(&obj.namespace().unwrap_or_default())
@@ -233,14 +233,14 @@ impl Agent {
             return;
         }
         info!(sandbox = %obj.name_any(), %message, "waiting for capacity");
+        // A suspended sandbox waiting to resume stays suspended meanwhile.
+        let phase = if st.phase == SandboxPhase::Suspended {
+            SandboxPhase::Suspended
+        } else {
+            SandboxPhase::Pending
+        };
         if let Err(e) = self
-            .write_sandbox_status(
-                obj,
-                SandboxPhase::Pending,
-                None,
-                (false, reason, message),
-                json!({}),
-            )
+            .write_sandbox_status(obj, phase, None, (false, reason, message), json!({}))
             .await
         {
             warn!(error = %e, sandbox = %obj.name_any(), "could not report waiting for capacity");

@@ -278,6 +278,14 @@ impl Agent {
                 Ok(Applied::Done(Box::new(rec), Promoted::default()))
             }
             CommitMode::Paths => {
+                // Files are copied into a running parent; a suspended one is waited for
+                // (a Full commit needs no parent process: the winner takes its place).
+                if p.suspended.is_some() {
+                    return Err(Error::Invalid(format!(
+                        "parent sandbox {} is suspended: this Paths commit is applied when it resumes (spec.suspended: false)",
+                        p.name
+                    )));
+                }
                 let plan = self
                     .engine
                     .plan_paths_commit(w, &bs.spec.commit.paths)

@@ -177,6 +177,15 @@ impl State {
             Ok(sb) => sb,
             Err(e) => return error_response(&e),
         };
+        if sb.suspended.is_some() && what != sub::SUBRESOURCE_LOG {
+            // Nothing of it runs to exec in or look at; its log is still on disk.
+            return https::status(
+                StatusCode::CONFLICT,
+                &format!(
+                    "sandbox {ns}/{name} is suspended: set spec.suspended to false to resume it"
+                ),
+            );
+        }
         match what {
             sub::SUBRESOURCE_EXEC => self.exec(&mut req, sb),
             sub::SUBRESOURCE_LOG => self.log(&sb).await,

@@ -28,6 +28,7 @@ mod self_fork;
 mod snapshot;
 mod start;
 mod store_quota;
+mod suspend;
 pub mod verdict_watch;
 pub mod writes;
 

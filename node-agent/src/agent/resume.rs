@@ -57,6 +57,7 @@ impl Agent {
             }
         }
         let records = self.registry.sandboxes()?;
+        let mut suspended_images: HashSet<String> = HashSet::new();
         for (uid, rec) in records.by_uid() {
             if rec.handed_over {
                 // A Full commit's winner: its sandbox is its parent's now.
@@ -66,7 +67,25 @@ impl Agent {
                 continue;
             }
             match local.remove(&rec.sandbox_id) {
-                Some(sb) if live.contains(&uid) => {
+                Some(mut sb) if live.contains(&uid) => {
+                    // A suspend a crash cut short is settled first: it either runs on
+                    // or is suspended. One that is neither is lost (and reported so).
+                    if let Err(e) = self.engine.settle_suspend(&mut sb).await {
+                        warn!(sandbox = %rec.name, error = %e, "a suspended sandbox cannot be re-adopted");
+                        self.engine.destroy_or_report(sb, &e.to_string()).await;
+                        self.registry.remove_sandbox(&uid)?;
+                        continue;
+                    }
+                    if let Some(s) = &sb.suspended {
+                        info!(sandbox = %rec.name, id = %sb.id, image = %s.image, "re-adopted suspended sandbox");
+                        suspended_images.insert(s.image.clone());
+                        if let Some(obj) = listed.get(&uid) {
+                            // Nothing of it runs: it holds no room until it resumes.
+                            self.admission.remember_ref(&uid, obj);
+                        }
+                        self.insert_handle(&uid, sb);
+                        continue;
+                    }
                     info!(sandbox = %rec.name, id = %sb.id, "re-adopted live sandbox");
                     if let Some(obj) = listed.get(&uid) {
                         // It holds its request; a decided branch is frozen again.
@@ -104,7 +123,8 @@ impl Agent {
                 .await;
         }
         let live_snaps = self.bound_here::<SnapshotObj>().await?;
-        let mut kept = HashSet::new();
+        // What suspended sandboxes' processes are now: kept with them.
+        let mut kept = suspended_images;
         let records = self.registry.snapshots()?;
         self.skip_corrupt("snapshot", &records.corrupt).await;
         for (uid, rec) in records.by_uid() {

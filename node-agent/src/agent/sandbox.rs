@@ -8,8 +8,10 @@ use std::time::Duration;
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::Action;
+use ramify_crds::capacity::CONDITION_READY;
 use ramify_crds::{
-    Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj, SandboxPhase, VerdictValue,
+    CONDITION_SUSPENDED, Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj,
+    SandboxPhase, VerdictValue,
 };
 use serde_json::json;
 use tracing::{info, instrument};
@@ -29,10 +31,28 @@ impl Agent {
         ready: (bool, &str, String),
         extra: serde_json::Value,
     ) -> Result<()> {
+        self.write_sandbox_status_with(obj, phase, sb, ready, extra, None)
+            .await
+    }
+
+    /// [`Agent::write_sandbox_status`] that also sets the `Suspended` condition (the
+    /// agent owns `Ready` and `Suspended`; every write carries both).
+    pub(super) async fn write_sandbox_status_with(
+        &self,
+        obj: &SandboxObj,
+        phase: SandboxPhase,
+        sb: Option<&LocalSandbox>,
+        ready: (bool, &str, String),
+        extra: serde_json::Value,
+        suspended: Option<Condition>,
+    ) -> Result<()> {
         let api: Api<SandboxObj> =
             Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
         let old = obj.status.clone().unwrap_or_default();
         let mut conditions = old.conditions.clone();
+        if let Some(c) = suspended {
+            conditions.set_condition(c, now());
+        }
         let status = if ready.0 {
             ConditionStatus::True
         } else {
@@ -45,7 +65,10 @@ impl Agent {
         let mut st = json!({
             "phase": phase,
             "observedGeneration": obj.metadata.generation,
-            "conditions": conditions.iter().filter(|c| c.type_ == "Ready").collect::<Vec<_>>(),
+            "conditions": conditions
+                .iter()
+                .filter(|c| c.type_ == CONDITION_READY || c.type_ == CONDITION_SUSPENDED)
+                .collect::<Vec<_>>(),
         });
         if let Some(sb) = sb {
             st["sandboxId"] = json!(sb.id);
@@ -223,12 +246,16 @@ impl Agent {
         // Held by a branch's run or verdict command (or a commit): the sandbox is in
         // use, so look again later. Waiting here would hold up this sandbox's next
         // reconcile (its deletion among them) for as long as the command runs.
-        let Ok(guard) = h.try_lock() else {
+        let Ok(mut guard) = h.try_lock() else {
             return Ok(Action::requeue(Duration::from_secs(2)));
         };
-        let Some(sb) = guard.as_ref() else {
+        let Some(sb) = guard.as_mut() else {
             return Ok(Action::await_change());
         };
+        if let Some(done) = self.keep_suspension(obj, uid, sb).await? {
+            return Ok(done);
+        }
+        let sb = &*sb;
         // By its process (a paused branch still runs): a paused branch that died is
         // reported as any other.
         let running = self.engine.is_running(sb).await?;

@@ -104,7 +104,18 @@ impl Agent {
                 .sandbox(&source_uid)?
                 .map(|r| r.commits.generation)
                 .unwrap_or(0);
-            let r = self.engine.snapshot(sb, ttl).await;
+            let r = if sb.suspended.is_some() {
+                // Suspended: its image is the snapshot; it is not woken for it.
+                self.engine.snapshot_suspended(sb, ttl).await.map(|meta| {
+                    crate::engine::SnapshotInfo {
+                        meta,
+                        source_pause: Duration::ZERO,
+                        checkpoint: Duration::ZERO,
+                    }
+                })
+            } else {
+                self.engine.snapshot(sb, ttl).await
+            };
             if r.is_ok() {
                 self.engine.persist(sb)?;
             }

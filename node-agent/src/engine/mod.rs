@@ -12,6 +12,7 @@
 //! - `teardown`: destroy (abort) and the leak check.
 //! - `recovery`: a sandbox's on-disk record and re-adopting it after a restart.
 //! - `warm_pool`: frozen restored branches, handed out on claim.
+//! - `suspend`: checkpoint a sandbox to an image and stop it; restore it from there.
 
 mod commit;
 mod control_mount;
@@ -20,6 +21,7 @@ mod identity;
 mod recovery;
 mod sandbox;
 mod snapshot;
+mod suspend;
 mod teardown;
 mod warm_pool;
 
@@ -30,6 +32,7 @@ pub use identity::branch_hostname;
 pub use recovery::{Recovered, Unreadable};
 pub use sandbox::{LocalSandbox, StartRequest};
 pub use snapshot::SnapshotInfo;
+pub use suspend::Suspension;
 pub use warm_pool::WarmPool;
 
 use std::collections::HashMap;

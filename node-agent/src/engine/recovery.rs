@@ -123,6 +123,7 @@ impl Engine {
             restored_from: None,
             baseline: None,
             tracked_roots: vec![],
+            suspended: None,
             ctx: SandboxCtx {
                 id,
                 root: dir.join("runsc-root"),

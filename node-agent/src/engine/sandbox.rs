@@ -44,6 +44,11 @@ pub struct LocalSandbox {
     /// Files under the tracked roots right after restore (for commit Paths).
     pub baseline: Option<Manifest>,
     pub tracked_roots: Vec<String>,
+    /// Set while it is suspended (or being suspended): the image its processes were
+    /// checkpointed to. Nothing of it runs then; its directory, network namespace and
+    /// cgroup stay, so it resumes with the same address and limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspended: Option<super::Suspension>,
     pub(super) ctx: SandboxCtx,
 }
 
@@ -155,6 +160,7 @@ impl Engine {
             restored_from: snapshot.map(str::to_string),
             baseline: None,
             tracked_roots: Vec::new(),
+            suspended: None,
             ctx,
         };
         let written = (|| {

@@ -99,8 +99,31 @@ impl Engine {
             }
         }
         let source_pause = t0.elapsed();
-        let meta = SnapshotMeta {
-            id: snap_id.clone(),
+        let meta = self.image_meta(sb, &snap_id, ttl, checkpoint, source_pause);
+        let meta = match self.seal(meta).await {
+            Ok(m) => m,
+            Err(e) => return Err(self.capture_failed(&snap_id, e, "")),
+        };
+        info!(snapshot = %snap_id, ?checkpoint, ?source_pause, size = meta.size_bytes, "snapshot taken");
+        Ok(SnapshotInfo {
+            meta,
+            source_pause,
+            checkpoint,
+        })
+    }
+
+    /// What the store records of an image of `sb` captured now (files and digests are
+    /// filled in when it is sealed).
+    pub(super) fn image_meta(
+        &self,
+        sb: &LocalSandbox,
+        id: &str,
+        ttl: Option<Duration>,
+        checkpoint: Duration,
+        source_pause: Duration,
+    ) -> SnapshotMeta {
+        SnapshotMeta {
+            id: id.to_string(),
             runsc_version: self.inner.runsc.version().into(),
             platform: Some(self.inner.runsc.platform().platform.as_str().into()),
             created_unix_ms: now_ms(),
@@ -114,28 +137,21 @@ impl Engine {
             source: sb.id.clone(),
             capture_millis: checkpoint.as_millis() as u64,
             source_pause_millis: source_pause.as_millis() as u64,
-        };
-        // Sealing hashes the whole image (seconds of CPU for a large one): on the
-        // blocking pool, not on an async worker.
+        }
+    }
+
+    /// Seals an image. Sealing hashes the whole image (seconds of CPU for a large
+    /// one): on the blocking pool, not on an async worker.
+    pub(super) async fn seal(&self, meta: SnapshotMeta) -> Result<SnapshotMeta> {
         let store = self.inner.store.clone();
-        let sealed = tokio::task::spawn_blocking(move || store.seal(meta))
+        tokio::task::spawn_blocking(move || store.seal(meta))
             .await
             .map_err(|e| Error::Join(e.to_string()))
-            .and_then(|r| r);
-        let meta = match sealed {
-            Ok(m) => m,
-            Err(e) => return Err(self.capture_failed(&snap_id, e, "")),
-        };
-        info!(snapshot = %snap_id, ?checkpoint, ?source_pause, size = meta.size_bytes, "snapshot taken");
-        Ok(SnapshotInfo {
-            meta,
-            source_pause,
-            checkpoint,
-        })
+            .and_then(|r| r)
     }
 
     /// Bytes the snapshot store's file system has free for the agent.
-    fn store_free_bytes(&self) -> Option<u64> {
+    pub(super) fn store_free_bytes(&self) -> Option<u64> {
         let st = nix::sys::statvfs::statvfs(self.inner.store.dir()).ok()?;
         Some(st.blocks_available().saturating_mul(st.fragment_size()))
     }
@@ -190,7 +206,7 @@ fn out_of_space(e: &Error) -> bool {
 }
 
 /// Drop the record of a container whose sandbox has exited (after checkpoint).
-async fn forget_stopped(runsc: &Runsc, ctx: &SandboxCtx) -> Result<()> {
+pub(super) async fn forget_stopped(runsc: &Runsc, ctx: &SandboxCtx) -> Result<()> {
     let root = ctx.root.to_string_lossy().into_owned();
     // A scan of every process's command line: on the blocking pool.
     let alive = tokio::task::spawn_blocking(move || !pids_mentioning(&root).is_empty())

@@ -75,6 +75,12 @@ impl Engine {
         if let Err(e) = released {
             first.get_or_insert(e);
         }
+        // A suspended sandbox's processes are its image: they go with it.
+        if let Some(s) = &sb.suspended
+            && let Err(e) = self.inner.store.remove(&s.image)
+        {
+            first.get_or_insert(e);
+        }
         unmount_control_dir(&sb.control_dir());
         crate::roots::unbind(&sb.rootfs_mount());
         if let Err(e) = std::fs::remove_dir_all(&sb.dir)

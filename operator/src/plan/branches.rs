@@ -132,9 +132,14 @@ fn branch_status(
             BranchPhase::Failed
         }
         (SandboxPhase::Aborted, _) => BranchPhase::Failed,
-        (SandboxPhase::Running | SandboxPhase::Paused | SandboxPhase::Succeeded, _) => {
-            BranchPhase::Running
-        }
+        // A branch is never suspended (the schema refuses it); were it, it still runs.
+        (
+            SandboxPhase::Running
+            | SandboxPhase::Paused
+            | SandboxPhase::Succeeded
+            | SandboxPhase::Suspended,
+            _,
+        ) => BranchPhase::Running,
         (SandboxPhase::Pending | SandboxPhase::Starting, _) => BranchPhase::Forking,
     };
     b

@@ -81,6 +81,8 @@ pub(super) fn branch_sandbox(
         allow_snapshot_with_secrets: parent.spec.allow_snapshot_with_secrets,
         // A branch may fork again, within the depth its set's label counts.
         self_fork: parent.spec.self_fork.clone(),
+        // A branch runs to its verdict; only a workspace is suspended.
+        suspended: false,
     };
     let mut sbx = Sandbox::new(&name, spec);
     sbx.metadata = ObjectMeta {

@@ -89,6 +89,7 @@ fn branch(name: &str, phase: SandboxPhase, verdict: Option<(VerdictValue, i64)>)
             node_name: None,
             allow_snapshot_with_secrets: false,
             self_fork: None,
+            suspended: false,
         },
     );
     s.metadata.labels = Some(

@@ -1,0 +1,307 @@
+//! Suspend and resume (`spec.suspended`) on the real control plane, operator, node agent
+//! and runsc: a workspace counting in memory is checkpointed and stopped (nothing of it
+//! runs, its room goes to another sandbox), forked while suspended without waking it,
+//! and resumed where it left off once its room is back; a node agent killed in the
+//! middle of a suspend resumes it where it was.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use ramify_crds::{
+    CONDITION_SUSPENDED, ConditionStatus, ConditionsExt, REASON_RESUMED, REASON_SUSPENDED, Sandbox,
+    SandboxPhase, Snapshot, SnapshotPhase,
+};
+use ramify_e2e::system::System;
+
+/// One System at a time: each runs its own operator, and two operators side by side
+/// would bind each other's sandboxes to their own nodes.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Counts in a shell variable (memory), mirrors it to a file, and keeps a file on disk.
+const COUNTER: &str = "mkdir -p /work && echo mode=slow > /work/app.conf && i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done";
+
+async fn set_suspended(sys: &System, name: &str, on: bool) {
+    sys.sandboxes()
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"suspended": on}})),
+        )
+        .await
+        .unwrap();
+}
+
+fn phase(s: &Sandbox) -> Option<SandboxPhase> {
+    s.status.as_ref().map(|st| st.phase)
+}
+
+fn suspended_condition(s: &Sandbox) -> Option<(ConditionStatus, String, String)> {
+    s.status
+        .as_ref()
+        .and_then(|st| st.conditions.get_condition(CONDITION_SUSPENDED))
+        .map(|c| (c.status, c.reason.clone(), c.message.clone()))
+}
+
+/// Processes on this machine whose command line names `id` (a sandbox's runsc id).
+fn processes_of(id: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        if let Ok(c) = std::fs::read(e.path().join("cmdline"))
+            && c.windows(id.len()).any(|w| w == id.as_bytes())
+        {
+            out.push(format!(
+                "{name}: {}",
+                String::from_utf8_lossy(&c).replace('\0', " ")
+            ));
+        }
+    }
+    out
+}
+
+/// The workspace's counter, read through the agent's exec; waits until it reads.
+async fn counter(sys: &System, name: &str) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, out) = sys.exec(name, "cat /work/counter");
+        if code == 0
+            && let Ok(n) = out.trim().parse()
+        {
+            return n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name}: no counter ({code}: {out})\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_counter_at_least(sys: &System, name: &str, n: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let c = counter(sys, name).await;
+        if c >= n {
+            return c;
+        }
+        assert!(Instant::now() < deadline, "{name}: counter stuck at {c}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn wait_suspended(sys: &System, name: &str) -> Sandbox {
+    sys.wait_sandbox(name, "Suspended", 120, |s| {
+        phase(s) == Some(SandboxPhase::Suspended)
+            && suspended_condition(s).is_some_and(|c| c.0 == ConditionStatus::True)
+    })
+    .await
+}
+
+async fn wait_resumed(sys: &System, name: &str) -> Sandbox {
+    sys.wait_sandbox(name, "resumed and Running", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+            && suspended_condition(s)
+                .is_some_and(|c| c.0 == ConditionStatus::False && c.1 == REASON_RESUMED)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_suspended_workspace_frees_the_node_forks_asleep_and_resumes_where_it_left_off() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("suspend").await;
+    // 1 CPU of the node's 1.6: while it holds its room, no other 1-CPU sandbox fits.
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "1", "256Mi"));
+    let ws = sys
+        .wait_sandbox("ws", "Running", 120, |s| {
+            phase(s) == Some(SandboxPhase::Running)
+        })
+        .await;
+    let id = ws.status.unwrap().sandbox_id.unwrap();
+    let before = wait_counter_at_least(&sys, "ws", 30).await;
+    assert_eq!(sys.exec("ws", "cat /work/app.conf").1, "mode=slow");
+
+    // Suspend: checkpointed, and nothing of it runs on the node.
+    set_suspended(&sys, "ws", true).await;
+    let ws = wait_suspended(&sys, "ws").await;
+    let asleep_since = Instant::now();
+    let (_, reason, message) = suspended_condition(&ws).unwrap();
+    assert_eq!(reason, REASON_SUSPENDED);
+    assert!(message.contains(&sys.node()), "{message}");
+    println!("suspend: {message}");
+    let left = processes_of(&id);
+    assert!(
+        left.is_empty(),
+        "processes of the suspended sandbox: {left:#?}"
+    );
+    assert_ne!(
+        sys.exec("ws", "true").0,
+        0,
+        "an exec into a suspended sandbox ran"
+    );
+    sys.event("ws", REASON_SUSPENDED).await;
+
+    // Forked while suspended: a Snapshot of it is its image; a sandbox restored from it
+    // continues the count (the memory was in the image), and ws is not woken.
+    sys.apply("apiVersion: ramify.dev/v1alpha1\nkind: Snapshot\nmetadata: {name: asleep}\nspec: {source: {sandbox: ws}}\n");
+    let snaps: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    sys.wait_for(snaps.clone(), "asleep", "Ready", 120, |s: &Snapshot| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == SnapshotPhase::Ready)
+    })
+    .await;
+    sys.apply(&format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: copy}}\nspec:\n  rootfs: {{class: {}}}\n  restoreFrom: {{snapshot: asleep}}\n  resources: {{cpu: 500m, memory: 256Mi}}\n",
+        sys.rootfs_class
+    ));
+    sys.wait_sandbox("copy", "Running", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+    })
+    .await;
+    let copied = counter(&sys, "copy").await;
+    assert!(
+        copied >= before,
+        "the copy counts from {copied}, ws had reached {before}"
+    );
+    assert_eq!(sys.exec("copy", "cat /work/app.conf").1, "mode=slow");
+    assert_eq!(
+        phase(&sys.sandboxes().get("ws").await.unwrap()),
+        Some(SandboxPhase::Suspended),
+        "the snapshot woke ws"
+    );
+    sys.sandboxes()
+        .delete("copy", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    // Its room is free: another 1-CPU sandbox runs while it sleeps.
+    sys.apply(&sys.sandbox_yaml("filler", "sleep 100000", "1", "256Mi"));
+    sys.wait_sandbox("filler", "Running (in ws's room)", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+    })
+    .await;
+
+    // Asked to resume while the room is taken: it waits, still suspended, and says why.
+    set_suspended(&sys, "ws", false).await;
+    let waiting = sys
+        .wait_sandbox("ws", "waiting for capacity to resume", 60, |s| {
+            phase(s) == Some(SandboxPhase::Suspended)
+                && s.status
+                    .as_ref()
+                    .and_then(|st| st.conditions.get_condition("Ready"))
+                    .is_some_and(|c| c.reason == ramify_crds::capacity::REASON_WAITING_FOR_CAPACITY)
+        })
+        .await;
+    let why = waiting
+        .status
+        .unwrap()
+        .conditions
+        .get_condition("Ready")
+        .unwrap()
+        .message
+        .clone();
+    println!("waiting to resume: {why}");
+    assert!(
+        processes_of(&id).is_empty(),
+        "it started before its room was back"
+    );
+
+    // The room comes back: it resumes where it left off.
+    let woken = Instant::now();
+    sys.sandboxes()
+        .delete("filler", &DeleteParams::default())
+        .await
+        .unwrap();
+    let ws = wait_resumed(&sys, "ws").await;
+    let resumed_in = woken.elapsed();
+    let asleep = woken.duration_since(asleep_since);
+    let after = counter(&sys, "ws").await;
+    let (_, _, message) = suspended_condition(&ws).unwrap();
+    println!(
+        "resume: {message}; {resumed_in:?} from the room coming back to Running, {asleep:?} asleep; counter {before} -> {after}"
+    );
+    // Continued from memory (a fresh start counts from 1), and it did not count while
+    // asleep: at most 10 a second while it ran (plus what it counted before the
+    // checkpoint stopped it).
+    assert!(
+        after >= before,
+        "the counter went back from {before} to {after}: not resumed from memory"
+    );
+    assert_eq!(
+        ws.status.as_ref().unwrap().sandbox_id.as_deref(),
+        Some(id.as_str())
+    );
+    assert_eq!(sys.exec("ws", "cat /work/app.conf").1, "mode=slow");
+    let later = wait_counter_at_least(&sys, "ws", after + 5).await;
+    assert!(later > after, "it does not count after the resume");
+    sys.event("ws", REASON_RESUMED).await;
+
+    // Suspended again and deleted while suspended: its image goes with it.
+    set_suspended(&sys, "ws", true).await;
+    wait_suspended(&sys, "ws").await;
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn a_node_agent_killed_in_the_middle_of_a_suspend_resumes_it_where_it_was() {
+    use ramify_node_agent::fault::{SUSPEND_CHECKPOINTED, SUSPEND_RECORDED};
+    let _serial = SERIAL.lock().await;
+    for point in [SUSPEND_RECORDED, SUSPEND_CHECKPOINTED] {
+        let fault_dir =
+            std::env::temp_dir().join(format!("ramify-suspend-fault-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&fault_dir).unwrap();
+        let dir_s = fault_dir.to_string_lossy().into_owned();
+        let mut sys = System::start_with(
+            "suspend-crash",
+            &[],
+            &[
+                ("RAMIFY_FAULT_HOLD", point),
+                ("RAMIFY_FAULT_DIR", dir_s.as_str()),
+            ],
+        )
+        .await;
+        sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
+        sys.wait_sandbox("ws", "Running", 120, |s| {
+            phase(s) == Some(SandboxPhase::Running)
+        })
+        .await;
+        let before = wait_counter_at_least(&sys, "ws", 20).await;
+        set_suspended(&sys, "ws", true).await;
+        let marker = fault_dir.join(point);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !marker.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "{point}: never reached\n{}",
+                sys.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Killed there; the new agent holds nowhere.
+        sys.agent.kill().unwrap();
+        sys.agent.set_env("RAMIFY_FAULT_HOLD", None);
+        sys.agent.start().unwrap();
+        let ws = wait_suspended(&sys, "ws").await;
+        println!("{point}: after the restart: {:?}", suspended_condition(&ws));
+        let id = ws.status.as_ref().unwrap().sandbox_id.clone().unwrap();
+        assert!(
+            processes_of(&id).is_empty(),
+            "{point}: processes of the suspended sandbox left"
+        );
+        set_suspended(&sys, "ws", false).await;
+        wait_resumed(&sys, "ws").await;
+        let after = counter(&sys, "ws").await;
+        assert!(
+            after >= before,
+            "{point}: the counter went back from {before} to {after}"
+        );
+        std::fs::remove_dir_all(&fault_dir).ok();
+        sys.teardown_and_check_clean().await;
+    }
+}

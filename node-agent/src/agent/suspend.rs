@@ -1,0 +1,272 @@
+//! Suspend and resume of a Sandbox (`spec.suspended`): the node agent checkpoints it
+//! into an image on this node and stops it (phase `Suspended`: it holds no process,
+//! CPU or memory of the node), and restores it where it left off once `spec.suspended`
+//! is `false` again and its request fits the node. The `Suspended` condition says
+//! since when (its lastTransitionTime) and where.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::ResourceExt;
+use kube::runtime::controller::Action;
+use ramify_crds::{
+    CONDITION_SUSPENDED, Condition, ConditionStatus, REASON_RESUMED, REASON_STORE_FULL,
+    REASON_SUSPEND_FAILED, REASON_SUSPENDED, Sandbox as SandboxObj, SandboxPhase,
+};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::{Agent, error_category};
+use crate::engine::{LocalSandbox, Suspension};
+use crate::error::Result;
+
+/// How soon a refused suspend is tried again (the store may have room by then).
+const SUSPEND_RETRY: Duration = Duration::from_secs(15);
+
+impl Agent {
+    /// Suspends or resumes the sandbox as its spec asks, holding its lock. `None`:
+    /// nothing to do here, it is watched as a running sandbox.
+    pub(super) async fn keep_suspension(
+        self: &Arc<Self>,
+        obj: &SandboxObj,
+        uid: &str,
+        sb: &mut LocalSandbox,
+    ) -> Result<Option<Action>> {
+        match (obj.spec.suspended, sb.suspended.clone()) {
+            (false, None) => Ok(None),
+            (true, Some(s)) => {
+                let phase = obj.status.as_ref().map(|st| st.phase);
+                if phase != Some(SandboxPhase::Suspended) {
+                    // Suspended before a crash or a failed report: say so again.
+                    self.report_suspended(obj, sb, &s).await?;
+                }
+                Ok(Some(Action::await_change()))
+            }
+            (true, None) => self.suspend_sandbox(obj, uid, sb).await,
+            (false, Some(_)) => self.resume_sandbox(obj, uid, sb).await.map(Some),
+        }
+    }
+
+    async fn suspend_sandbox(
+        self: &Arc<Self>,
+        obj: &SandboxObj,
+        uid: &str,
+        sb: &mut LocalSandbox,
+    ) -> Result<Option<Action>> {
+        let phase = obj.status.as_ref().map(|st| st.phase);
+        // Only a running workspace is suspended; one whose processes ended is reported
+        // as ended (by the caller), and a stopped sandbox has nothing to checkpoint.
+        if phase != Some(SandboxPhase::Running) || !self.engine.is_running(sb).await? {
+            return Ok(None);
+        }
+        if let Some(reason) = self.make_store_room(1, 0).await? {
+            self.refuse_suspend(obj, sb, REASON_STORE_FULL, reason)
+                .await?;
+            return Ok(Some(Action::requeue(SUSPEND_RETRY)));
+        }
+        info!(sandbox = %obj.name_any(), id = %sb.id, "suspending");
+        match self.engine.suspend(sb).await {
+            Ok(s) => {
+                // Nothing of it runs now: its room goes to whoever waits.
+                self.admission.capacity.leave(uid);
+                self.publish_capacity();
+                self.report_suspended(obj, sb, &s).await?;
+                self.event(
+                    obj,
+                    false,
+                    REASON_SUSPENDED,
+                    suspended_message(&self.cfg.node, &s),
+                )
+                .await;
+                Ok(Some(Action::await_change()))
+            }
+            Err(e) => {
+                self.metrics.failed("suspend", error_category(&e));
+                if self.engine.is_running(sb).await.unwrap_or(false) {
+                    self.refuse_suspend(obj, sb, REASON_SUSPEND_FAILED, e.to_string())
+                        .await?;
+                    Ok(Some(Action::requeue(SUSPEND_RETRY)))
+                } else {
+                    // Stopped by the failed checkpoint: the caller reports it ended.
+                    self.event(obj, true, REASON_SUSPEND_FAILED, e.to_string())
+                        .await;
+                    Ok(None)
+                }
+            }
+        }
+    }
+
+    /// Resumes a suspended sandbox once its request fits this node again.
+    async fn resume_sandbox(
+        self: &Arc<Self>,
+        obj: &SandboxObj,
+        uid: &str,
+        sb: &mut LocalSandbox,
+    ) -> Result<Action> {
+        if let Some(wait) = self.admit(obj, uid).await? {
+            return Ok(wait);
+        }
+        let slot = self.admission.restores.permit(uid);
+        self.publish_capacity();
+        let resumed = self.engine.resume(sb).await;
+        drop(slot);
+        self.admission.restores.leave(uid);
+        let took = match resumed {
+            Ok(t) => t,
+            Err(e) => {
+                self.admission.capacity.leave(uid);
+                self.publish_capacity();
+                self.metrics.failed("resume", error_category(&e));
+                let permanent = e.is_permanent();
+                warn!(sandbox = %obj.name_any(), error = %e, permanent, "resume failed");
+                let message = if permanent {
+                    format!("could not be resumed (its image cannot be restored): {e}")
+                } else {
+                    format!("could not be resumed; retried: {e}")
+                };
+                let phase = if permanent {
+                    SandboxPhase::Failed
+                } else {
+                    SandboxPhase::Suspended
+                };
+                self.write_suspension(
+                    obj,
+                    sb,
+                    (phase, false, "ResumeFailed"),
+                    (ConditionStatus::True, "ResumeFailed"),
+                    message.clone(),
+                )
+                .await?;
+                self.event(obj, true, "ResumeFailed", message).await;
+                return if permanent {
+                    Ok(Action::await_change())
+                } else {
+                    Err(e)
+                };
+            }
+        };
+        let since = obj
+            .status
+            .as_ref()
+            .and_then(|st| {
+                st.conditions
+                    .iter()
+                    .find(|c| c.type_ == CONDITION_SUSPENDED)
+            })
+            .and_then(|c| c.last_transition_time.clone());
+        let message = match since {
+            Some(t) => format!(
+                "resumed on node {} in {} ms (suspended since {})",
+                self.cfg.node,
+                took.as_millis(),
+                t.0
+            ),
+            None => format!(
+                "resumed on node {} in {} ms",
+                self.cfg.node,
+                took.as_millis()
+            ),
+        };
+        self.write_suspension(
+            obj,
+            sb,
+            (SandboxPhase::Running, true, "Running"),
+            (ConditionStatus::False, REASON_RESUMED),
+            message.clone(),
+        )
+        .await?;
+        self.mark_reported(uid);
+        self.event(obj, false, REASON_RESUMED, message).await;
+        Ok(Action::requeue(Duration::from_secs(10)))
+    }
+
+    async fn report_suspended(
+        &self,
+        obj: &SandboxObj,
+        sb: &LocalSandbox,
+        s: &Suspension,
+    ) -> Result<()> {
+        self.write_suspension(
+            obj,
+            sb,
+            (SandboxPhase::Suspended, false, REASON_SUSPENDED),
+            (ConditionStatus::True, REASON_SUSPENDED),
+            suspended_message(&self.cfg.node, s),
+        )
+        .await
+    }
+
+    /// Writes the phase, `Ready` (its message is the running id when ready, else
+    /// `message`) and the `Suspended` condition (`message`).
+    async fn write_suspension(
+        &self,
+        obj: &SandboxObj,
+        sb: &LocalSandbox,
+        (phase, ready, ready_reason): (SandboxPhase, bool, &str),
+        (status, reason): (ConditionStatus, &str),
+        message: String,
+    ) -> Result<()> {
+        let ready_message = if ready {
+            format!("running as {}", sb.id)
+        } else {
+            message.clone()
+        };
+        let cond = Condition::new(
+            CONDITION_SUSPENDED,
+            status,
+            reason,
+            message,
+            obj.metadata.generation,
+        );
+        self.write_sandbox_status_with(
+            obj,
+            phase,
+            Some(sb),
+            (ready, ready_reason, ready_message),
+            json!({}),
+            Some(cond),
+        )
+        .await
+    }
+
+    /// A suspend that did not happen: it keeps running, and the condition says why.
+    async fn refuse_suspend(
+        &self,
+        obj: &SandboxObj,
+        sb: &LocalSandbox,
+        reason: &str,
+        message: String,
+    ) -> Result<()> {
+        warn!(sandbox = %obj.name_any(), reason, %message, "not suspended");
+        // Said once per reason: the write would wake this reconcile again at once, and
+        // the retry is meant to wait (its messages differ, their image paths do).
+        let already = obj.status.as_ref().is_some_and(|st| {
+            st.conditions.iter().any(|c| {
+                c.type_ == CONDITION_SUSPENDED
+                    && c.reason == reason
+                    && c.status == ConditionStatus::False
+            })
+        });
+        if already {
+            return Ok(());
+        }
+        self.write_suspension(
+            obj,
+            sb,
+            (SandboxPhase::Running, true, "Running"),
+            (ConditionStatus::False, reason),
+            format!("not suspended: {message}"),
+        )
+        .await?;
+        self.event(obj, true, reason, format!("not suspended: {message}"))
+            .await;
+        Ok(())
+    }
+}
+
+fn suspended_message(node: &str, s: &Suspension) -> String {
+    format!(
+        "checkpointed to image {} ({} bytes) on node {} in {} ms; nothing of it runs until spec.suspended is false",
+        s.image, s.size_bytes, node, s.checkpoint_millis
+    )
+}
