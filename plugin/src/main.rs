@@ -19,7 +19,9 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::await_condition;
 use kube::{Client, ResourceExt};
 use ramify_crds::subresources as sub;
-use ramify_crds::{ANNOTATION_ABORT, BranchSet, BranchSetPhase, Policy, Sandbox, Snapshot};
+use ramify_crds::{
+    ANNOTATION_ABORT, BranchSet, BranchSetPhase, Policy, Sandbox, SandboxPhase, Snapshot,
+};
 use serde_json::json;
 
 #[derive(Debug, thiserror::Error)]
@@ -124,6 +126,25 @@ enum Cmd {
         sandbox: String,
         #[arg(trailing_var_arg = true, required = true)]
         command: Vec<String>,
+    },
+    /// Suspend a sandbox: checkpointed to an image on its node and stopped, it holds
+    /// nothing of the node until resumed (sets `spec.suspended: true`).
+    Suspend {
+        sandbox: String,
+        /// Wait until it is suspended.
+        #[arg(long)]
+        wait: bool,
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+    },
+    /// Resume a suspended sandbox where it left off (sets `spec.suspended: false`).
+    Resume {
+        sandbox: String,
+        /// Wait until it runs again.
+        #[arg(long)]
+        wait: bool,
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
     },
     /// Print a sandbox's console output (needs `get` on `sandboxes/log`).
     Logs { sandbox: String },
@@ -320,6 +341,34 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             println!("branchset.ramify.dev/{branchset}: committing {branch}");
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Suspend {
+            sandbox,
+            wait,
+            timeout,
+        } => {
+            set_suspended(
+                &sandboxes,
+                &sandbox,
+                true,
+                wait.then_some(timeout),
+                json_out,
+            )
+            .await
+        }
+        Cmd::Resume {
+            sandbox,
+            wait,
+            timeout,
+        } => {
+            set_suspended(
+                &sandboxes,
+                &sandbox,
+                false,
+                wait.then_some(timeout),
+                json_out,
+            )
+            .await
+        }
         Cmd::Abort { branchset } => {
             let bs = get_branchset(&branchsets, &branchset).await?;
             let st = bs.status.clone().unwrap_or_default();
@@ -428,6 +477,87 @@ async fn get_branchset(api: &Api<BranchSet>, name: &str) -> Result<BranchSet> {
     api.get_opt(name)
         .await?
         .ok_or_else(|| Error::NotFound(format!("branchset {name} not found")))
+}
+
+/// Sets `spec.suspended` (a merge patch of that one field) and, with a timeout, waits
+/// until the sandbox is suspended or running again, saying where and since when.
+async fn set_suspended(
+    api: &Api<Sandbox>,
+    name: &str,
+    on: bool,
+    wait: Option<u64>,
+    json_out: bool,
+) -> Result<ExitCode> {
+    let sbx = api
+        .get_opt(name)
+        .await?
+        .ok_or_else(|| Error::NotFound(format!("sandbox {name} not found")))?;
+    let phase = sbx.status.as_ref().map(|s| s.phase).unwrap_or_default();
+    if matches!(
+        phase,
+        SandboxPhase::Succeeded | SandboxPhase::Failed | SandboxPhase::Aborted
+    ) {
+        return Err(Error::WrongState(format!(
+            "sandbox {name} has ended ({phase:?}): nothing to suspend or resume"
+        )));
+    }
+    match api
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"suspended": on}})),
+        )
+        .await
+    {
+        Ok(_) => {}
+        // The schema's message names the field (a branch cannot be suspended).
+        Err(kube::Error::Api(s)) if s.code == 422 => return Err(Error::Other(s.message.clone())),
+        Err(e) => return Err(e.into()),
+    }
+    let verb = if on { "suspending" } else { "resuming" };
+    let Some(secs) = wait else {
+        println!("sandbox.ramify.dev/{name}: {verb}");
+        return Ok(ExitCode::SUCCESS);
+    };
+    let done = move |s: Option<&Sandbox>| {
+        s.and_then(|s| s.status.as_ref()).is_some_and(|st| {
+            let cond = st
+                .conditions
+                .iter()
+                .find(|c| c.type_ == ramify_crds::CONDITION_SUSPENDED);
+            match on {
+                true => st.phase == SandboxPhase::Suspended,
+                false => {
+                    st.phase == SandboxPhase::Running
+                        && cond.is_none_or(|c| c.reason == ramify_crds::REASON_RESUMED)
+                }
+            }
+        })
+    };
+    let obj = tokio::time::timeout(
+        Duration::from_secs(secs),
+        await_condition(api.clone(), name, done),
+    )
+    .await
+    .map_err(|_| Error::Timeout(format!("sandbox {name} is still {verb} after {secs}s")))?
+    .map_err(|e| Error::Other(e.to_string()))?
+    .ok_or_else(|| Error::NotFound(format!("sandbox {name} was deleted")))?;
+    let st = obj.status.unwrap_or_default();
+    let message = st
+        .conditions
+        .iter()
+        .find(|c| c.type_ == ramify_crds::CONDITION_SUSPENDED)
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    if json_out {
+        println!(
+            "{}",
+            json!({"sandbox": name, "phase": st.phase, "message": message})
+        );
+    } else {
+        println!("sandbox.ramify.dev/{name}: {:?}: {message}", st.phase);
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn wait_for(
