@@ -126,6 +126,14 @@ async fn a_suspended_workspace_frees_the_node_forks_asleep_and_resumes_where_it_
     let before = wait_counter_at_least(&sys, "ws", 30).await;
     assert_eq!(sys.exec("ws", "cat /work/app.conf").1, "mode=slow");
 
+    // What it holds of the node while it runs (the path the check below reads).
+    let cgroup = format!("/{}/{id}", sys.cgroup_parent());
+    let held = ramify_node_agent::cgroup::memory_usage(&cgroup).unwrap();
+    assert!(
+        held > 4 << 20,
+        "the running sandbox's cgroup holds only {held} bytes"
+    );
+
     // Suspend: checkpointed, and nothing of it runs on the node.
     set_suspended(&sys, "ws", true).await;
     let ws = wait_suspended(&sys, "ws").await;
@@ -138,6 +146,13 @@ async fn a_suspended_workspace_frees_the_node_forks_asleep_and_resumes_where_it_
     assert!(
         left.is_empty(),
         "processes of the suspended sandbox: {left:#?}"
+    );
+    // Nor its memory: the page cache of the image it wrote is not left charged to it
+    // (its cgroup may be gone altogether).
+    let charged = ramify_node_agent::cgroup::memory_usage(&cgroup).unwrap_or(0);
+    assert!(
+        charged < 4 << 20,
+        "the suspended sandbox's cgroup holds {charged} bytes"
     );
     assert_ne!(
         sys.exec("ws", "true").0,

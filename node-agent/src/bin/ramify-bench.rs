@@ -9,6 +9,9 @@
 //! an image, starts on it with its layers cached against plain `runsc run` of the same
 //! root by hand, and the disk its sandboxes use.
 //!
+//! `--scenarios suspend`: suspend and resume of a workspace per `--dirty` size, next to
+//! a fresh start that redoes its work.
+//!
 //! Needs root, runsc, busybox-static, containernetworking-plugins, iptables.
 
 use std::path::{Path, PathBuf};
@@ -39,7 +42,8 @@ struct Args {
     /// Platform of the engine scenarios: auto (systrap where it works), systrap, ptrace.
     #[arg(long, default_value = "auto")]
     platform: String,
-    /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`.
+    /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`,
+    /// `suspend`, `images`.
     #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
     scenarios: Vec<String>,
     /// Platforms the platform scenario compares (each must work with --runsc).
@@ -68,6 +72,8 @@ struct Args {
 mod images;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
+#[path = "ramify-bench/suspend.rs"]
+mod suspend;
 
 const PREFIX: &str = "ramify-bench-";
 
@@ -279,6 +285,9 @@ async fn main() -> Result<()> {
             PREFIX,
         )
         .await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "suspend") {
+        result = suspend::run(&engine, &rootfs, &args.dirty).await;
     }
     if result.is_ok() && args.scenarios.iter().any(|s| s == "images") {
         let Some(reference) = args.image.as_deref() else {

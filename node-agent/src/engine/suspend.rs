@@ -135,6 +135,17 @@ impl Engine {
         self.forget_proc(&sb.id);
         let meta = self.image_meta(sb, &s.image, None, checkpoint, checkpoint);
         let meta = self.seal(meta).await?;
+        // The sandbox wrote its image through the page cache, which stays charged to
+        // its cgroup after it stopped: written back and dropped, so that a suspended
+        // sandbox really holds none of the node's memory.
+        let dir = self.inner.store.dir().join(&s.image).join("image");
+        if let Err(e) = tokio::task::spawn_blocking(move || drop_page_cache(&dir))
+            .await
+            .map_err(|e| Error::Join(e.to_string()))
+            .and_then(|r| r)
+        {
+            warn!(image = %s.image, error = %e, "dropping a suspended image's page cache failed");
+        }
         s.sealed = true;
         s.size_bytes = meta.size_bytes;
         s.checkpoint_millis = checkpoint.as_millis() as u64;
@@ -288,4 +299,20 @@ impl Engine {
             self.count_cleanup_failure("remove image", &e);
         }
     }
+}
+
+/// Writes back and drops the page cache of every file in `dir`.
+fn drop_page_cache(dir: &std::path::Path) -> Result<()> {
+    use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
+    use std::os::fd::AsRawFd;
+    let rd = std::fs::read_dir(dir).map_err(|e| Error::io("read image dir", dir, e))?;
+    for entry in rd.flatten() {
+        let path = entry.path();
+        let f = std::fs::File::open(&path).map_err(|e| Error::io("open image file", &path, e))?;
+        f.sync_data()
+            .map_err(|e| Error::io("write back image file", &path, e))?;
+        posix_fadvise(f.as_raw_fd(), 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+            .map_err(|e| Error::io("drop the page cache of", &path, e.into()))?;
+    }
+    Ok(())
 }
