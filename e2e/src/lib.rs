@@ -370,6 +370,46 @@ impl Component {
         Ok(())
     }
 
+    /// Adds an argument for its next start (a flag without a value).
+    pub fn add_arg(&mut self, arg: &str) {
+        self.args.push(arg.to_string());
+    }
+
+    /// The same program, arguments and environment under another name (its own log).
+    pub fn clone_as(&self, name: &str, log_dir: &Path) -> Component {
+        Component::new(
+            name,
+            self.program.clone(),
+            self.args.clone(),
+            self.env.clone(),
+            log_dir,
+        )
+    }
+
+    /// SIGTERMs it and waits up to `grace` for it to exit (SIGKILL after): a clean
+    /// shutdown, as a Pod's termination asks for one.
+    pub fn stop(&mut self, grace: std::time::Duration) -> Result<(), HarnessError> {
+        let Some(mut c) = self.child.take() else {
+            return Ok(());
+        };
+        Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status()?;
+        let deadline = std::time::Instant::now() + grace;
+        while c.try_wait()?.is_none() {
+            if std::time::Instant::now() >= deadline {
+                c.kill()?;
+                c.wait()?;
+                return Err(HarnessError::ControlPlane(format!(
+                    "{} did not exit within {grace:?} of SIGTERM",
+                    self.name
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
     /// Whether it is still running.
     pub fn running(&mut self) -> bool {
         self.child

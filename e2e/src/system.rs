@@ -35,11 +35,28 @@ pub struct System {
     pub rootfs_root: PathBuf,
     /// The RootfsClass naming [`System::rootfs`]: what every test Sandbox starts from.
     pub rootfs_class: String,
+    /// More node agents of this system on this machine ([`System::add_node`]).
+    pub nodes: Vec<ExtraNode>,
     /// Names this system's cgroup parent (`/ramify-e2e-<suffix>`).
     suffix: String,
     /// The e2e bridge's iptables rules from before this system started.
     iptables_before: Vec<String>,
 }
+
+/// One more node agent of a [`System`] on this machine: its own node name, state,
+/// cgroup parent, bridge and subnet, as a node of its own would have.
+pub struct ExtraNode {
+    pub name: String,
+    pub agent: Component,
+    pub state_dir: PathBuf,
+    pub bridge: String,
+    /// Its subnet's first two octets with a dot (`10.71.`).
+    pub subnet_prefix: String,
+    pub cgroup_parent: String,
+}
+
+/// Most extra nodes a system starts (bridges `rmye2en1`.., subnets 10.71/16..).
+const MAX_EXTRA_NODES: usize = 8;
 
 /// The e2e agent's bridge and subnet (never shared with a demo agent).
 const BRIDGE: &str = "rmye2e0";
@@ -77,6 +94,13 @@ pub fn clean_earlier_runs() {
             }
         }
         remove_cgroup_parents("ramify-e2e-*");
+        // An extra node's bridge outlives an agent that was SIGKILLed (a failed run).
+        for k in 1..=MAX_EXTRA_NODES {
+            let bridge = format!("rmye2en{k}");
+            if Path::new("/sys/class/net").join(&bridge).exists() {
+                let _ = Command::new("ip").args(["link", "del", &bridge]).output();
+            }
+        }
     });
 }
 
@@ -207,9 +231,52 @@ impl System {
             log_dir: base,
             rootfs_root,
             rootfs_class,
+            nodes: Vec::new(),
             suffix: suffix.to_string(),
             iptables_before,
         }
+    }
+
+    /// Starts one more node agent on this machine, announcing node `<node>-n<k>` with
+    /// its own state directory, cgroup parent, bridge and subnet (the multi-node test
+    /// bed); it leaves its bridge and cgroup parent behind it when it stops cleanly.
+    pub fn add_node(&mut self) -> &ExtraNode {
+        let k = self.nodes.len() + 1;
+        assert!(
+            k <= MAX_EXTRA_NODES,
+            "at most {MAX_EXTRA_NODES} extra nodes"
+        );
+        let name = format!("{}-n{k}", self.node());
+        let state_dir = self.log_dir.join(format!("agent-n{k}"));
+        let bridge = format!("rmye2en{k}");
+        let subnet_prefix = format!("10.{}.", 70 + k);
+        let cgroup_parent = format!("/ramify-e2e-{}-n{k}", self.suffix);
+        let mut agent = self
+            .agent
+            .clone_as(&format!("node-agent-n{k}"), &self.log_dir);
+        agent.set_flag("--node-name", &name);
+        agent.set_flag("--state-dir", &state_dir.to_string_lossy());
+        agent.set_flag("--bridge", &bridge);
+        agent.set_flag("--subnet", &format!("{subnet_prefix}0.0/16"));
+        agent.set_flag("--cgroup-parent", &cgroup_parent);
+        agent.set_flag(
+            "--rootfs-cache",
+            &self
+                .log_dir
+                .join(format!("rootfs-cache-n{k}"))
+                .to_string_lossy(),
+        );
+        agent.add_arg("--release-node-on-exit");
+        agent.start().unwrap();
+        self.nodes.push(ExtraNode {
+            name,
+            agent,
+            state_dir,
+            bridge,
+            subnet_prefix,
+            cgroup_parent,
+        });
+        &self.nodes[k - 1]
     }
 
     /// Restarts the node agent (SIGKILL, then start) with `flag` set to `value`: e.g.
@@ -569,6 +636,32 @@ spec:
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let mut leftovers = node_leftovers(&self.state_dir);
+        for n in &mut self.nodes {
+            leftovers.extend(
+                node_leftovers(&n.state_dir)
+                    .into_iter()
+                    .map(|l| format!("{}: {l}", n.name)),
+            );
+            // Stopped cleanly with nothing left to run, it takes its bridge and cgroup
+            // parent with it; its rules went with its sandboxes.
+            if let Err(e) = n.agent.stop(Duration::from_secs(30)) {
+                leftovers.push(format!("{}: {e}", n.name));
+            }
+            if Path::new("/sys/class/net").join(&n.bridge).exists() {
+                leftovers.push(format!("{}: bridge {}", n.name, n.bridge));
+            }
+            for root in cgroup_roots() {
+                let d = root.join(n.cgroup_parent.trim_start_matches('/'));
+                if d.exists() {
+                    leftovers.push(format!("{}: cgroup {}", n.name, d.display()));
+                }
+            }
+            leftovers.extend(
+                rules_matching(&n.bridge, &n.subnet_prefix)
+                    .into_iter()
+                    .map(|r| format!("{}: iptables rule {r}", n.name)),
+            );
+        }
         leftovers.extend(
             bridge_rules()
                 .into_iter()
@@ -698,6 +791,11 @@ fn remove_cgroup_parents(name: &str) {
 /// iptables rules that concern the e2e bridge or its subnet (every sandbox of an e2e
 /// agent has its rules tagged so; release removes them).
 fn bridge_rules() -> Vec<String> {
+    rules_matching(BRIDGE, SUBNET_PREFIX)
+}
+
+/// iptables rules that concern `bridge` or addresses starting with `subnet_prefix`.
+fn rules_matching(bridge: &str, subnet_prefix: &str) -> Vec<String> {
     let out = Command::new("iptables")
         .args(["-w", "5", "-S"])
         .output()
@@ -705,10 +803,33 @@ fn bridge_rules() -> Vec<String> {
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| {
-            l.contains(&format!("-i {BRIDGE} ")) || l.contains(&format!("-s {SUBNET_PREFIX}"))
+            l.contains(&format!("-i {bridge} ")) || l.contains(&format!("-s {subnet_prefix}"))
         })
         .map(str::to_string)
         .collect()
+}
+
+/// The addresses leased by the agent whose state is in `state_dir` (host-local keeps
+/// one file per address).
+pub fn ip_leases(state_dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for net in std::fs::read_dir(state_dir.join("ipam"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        for lease in std::fs::read_dir(net.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = lease.file_name().to_string_lossy().into_owned();
+            if name.parse::<std::net::IpAddr>().is_ok() {
+                out.push(name);
+            }
+        }
+    }
+    out
 }
 
 /// Sandboxes and images of the agent whose state is in `state_dir`, any process that
@@ -734,21 +855,12 @@ pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
             ));
         }
     }
-    // An address still leased (host-local keeps one file per address).
-    if let Ok(rd) = std::fs::read_dir(state_dir.join("ipam")) {
-        for net in rd.flatten() {
-            for lease in std::fs::read_dir(net.path())
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                let name = lease.file_name().to_string_lossy().into_owned();
-                if name.parse::<std::net::IpAddr>().is_ok() {
-                    out.push(format!("IP lease {name}"));
-                }
-            }
-        }
-    }
+    // An address still leased.
+    out.extend(
+        ip_leases(state_dir)
+            .into_iter()
+            .map(|a| format!("IP lease {a}")),
+    );
     if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") {
         let dir = state_dir.to_string_lossy();
         for point in m.lines().filter_map(|l| l.split(' ').nth(4)) {
