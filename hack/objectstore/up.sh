@@ -65,13 +65,13 @@ bucket_ready() {
 # shellcheck source=../lib/daemon.sh
 source "$here/../lib/daemon.sh"
 log "starting seaweedfs on 127.0.0.1:$port (S3) .. $((port + 3))"
-# Small volumes and few of them: the tests' images are tens of MB. GOMAXPROCS=1: it
+# Small volumes (64 MB), at most 128 (each collection grows 7 at a time; 16 filled up in one suite run). GOMAXPROCS=1: it
 # shares the 2 cores with the control plane and the sandboxes.
 start weed env GOMAXPROCS=1 "$bin/weed" -logdir="$dir/logs" server \
   -ip=127.0.0.1 -ip.bind=127.0.0.1 -dir="$dir/data" \
   -master.port=$((port + 1)) -master.port.grpc=$((port + 11)) \
   -master.volumeSizeLimitMB=64 -master.raftHashicorp \
-  -volume.port=$((port + 2)) -volume.port.grpc=$((port + 12)) -volume.max=16 \
+  -volume.port=$((port + 2)) -volume.port.grpc=$((port + 12)) -volume.max=128 \
   -volume.preStopSeconds=0 \
   -filer -filer.port=$((port + 3)) -filer.port.grpc=$((port + 13)) \
   -filer.localSocket="$dir/run/filer.sock" \

@@ -34,6 +34,7 @@ impl Agent {
                 self.cleanup_failed(snap, "close warm pool", &e);
             }
             self.admission.capacity.leave(&admission::pool_key(&uid));
+            self.remove_remote(snap).await?;
             if let Some(rec) = self.registry.snapshot(&uid)? {
                 self.engine.store().remove(&rec.image_id)?;
                 self.registry.remove_snapshot(&uid)?;
@@ -56,6 +57,8 @@ impl Agent {
                 self.write_snapshot_ready(snap, &meta, None, rec.source_commit_generation)
                     .await?;
             }
+            // In the background, after Ready (also resumed after a restart).
+            self.ensure_uploaded(snap, &rec);
             return self.keep_pool(snap, &uid, &rec).await;
         }
         if matches!(status.phase, SnapshotPhase::Failed | SnapshotPhase::Expired) {
