@@ -200,8 +200,10 @@ impl Agent {
                 .capacity
                 .enter(&reservation, &group, (0, String::new()), asks)
             {
-                // Its branches need the snapshot's image on the node (by digest).
+                // Its branches need the snapshot's image on the node (by digest), and
+                // its checkpoint (from the object store if this node lost it).
                 self.ensure_snapshot_image(&[], snap).await?;
+                self.ensure_local_image(snap, rec).await?;
                 let pool = self.engine.warm_pool_gated(
                     &rec.image_id,
                     want,
