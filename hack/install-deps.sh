@@ -2,9 +2,9 @@
 # Installs everything the demo and the tests need on a fresh Debian machine with Go and
 # Rust present: Debian packages (runsc, runc, CNI plugins, busybox for test rootfs, gcc for
 # the pause image, debootstrap for the workspace test image, ...), rustfmt/clippy, the
-# Go-built control plane, node (kubelet, containerd), test registry and crane (cached by
-# version), the debootstrap rootfs of the workspace test image (cached by package list),
-# and ramify's own images (hack/images/ramify.sh: static binaries + OCI layouts, cached).
+# Go-built control plane, node (kubelet, containerd), test registry and crane, the test
+# object store (SeaweedFS) (cached by version), the debootstrap rootfs of the workspace
+# test image (cached by package list), and ramify's own images (hack/images/ramify.sh: static binaries + OCI layouts, cached).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 need_apt=()
@@ -22,6 +22,7 @@ if [[ -x "$here/../node-agent/scripts/install-deps.sh" ]]; then "$here/../node-a
 echo "install-deps: control plane binaries in $("$here/controlplane/build.sh")" >&2
 echo "install-deps: node (kubelet, containerd, pause and busybox images) in $("$here/node/build.sh")" >&2
 echo "install-deps: registry and crane in $("$here/registry/build.sh")" >&2
+echo "install-deps: object store (SeaweedFS weed) in $("$here/objectstore/build.sh")" >&2
 echo "install-deps: workspace image rootfs in $("$here/images/debootstrap.sh")" >&2
 echo "install-deps: ramify's own images (static binaries, OCI layouts) in $("$here/images/ramify.sh" build)" >&2
 echo "install-deps: Python SDK venv in $("$here/python-venv.sh")" >&2

@@ -8,6 +8,9 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 export RAMIFY_CP_DIR="${RAMIFY_CP_DIR:-$repo/.ramify/test-controlplane}"
 export RAMIFY_CP_PORT_BASE="${RAMIFY_CP_PORT_BASE:-16540}"
+# The object store the snapshot storage tier's tests use (SeaweedFS's S3 gateway).
+export RAMIFY_S3_DIR="${RAMIFY_S3_DIR:-$repo/.ramify/test-objectstore}"
+export RAMIFY_S3_PORT="${RAMIFY_S3_PORT:-16900}"
 step() { printf '\n==> %s\n' "$*"; }
 
 step "dependencies (Debian packages, Go-built control plane; idempotent, cached)"
@@ -35,8 +38,13 @@ step "control plane (etcd + kube-apiserver + kube-controller-manager + kube-sche
 # The real node first (its tests stop it; this is for a run cut short), then the plane.
 # The Helm install test has a control plane of its own (it advertises the node IP).
 helm_cp=(env RAMIFY_CP_DIR="$repo/.ramify/test-helm/controlplane" RAMIFY_CP_PORT_BASE=16740)
-trap 'hack/node/down.sh || true; hack/controlplane/down.sh || true; "${helm_cp[@]}" hack/node/down.sh || true; "${helm_cp[@]}" hack/controlplane/down.sh || true' EXIT
+trap 'hack/objectstore/down.sh || true; hack/node/down.sh || true; hack/controlplane/down.sh || true; "${helm_cp[@]}" hack/node/down.sh || true; "${helm_cp[@]}" hack/controlplane/down.sh || true' EXIT
 hack/controlplane/up.sh >/dev/null
+
+step "object store (SeaweedFS S3 gateway on 127.0.0.1:$RAMIFY_S3_PORT)"
+hack/objectstore/up.sh >/dev/null
+# RAMIFY_S3_ENDPOINT, _BUCKET, _REGION, _CREDENTIALS_DIR for the tests.
+source "$RAMIFY_S3_DIR/env"
 
 step "cargo build --bins (the end-to-end tests run the real binaries)"
 cargo build --workspace --bins --locked

@@ -24,6 +24,7 @@ pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 // | Snapshot  | phase, sizeBytes, sha256, runscVersion, platform,             | node-agent/snapshot        |
 // |           | captureMillis, capturedAt, source*, conditions[Ready]         |                            |
 // | Snapshot  | warm                                                          | node-agent/warm-pool       |
+// | Snapshot  | storage                                                       | node-agent/storage         |
 // | Snapshot  | conditions[Reconciled] / conditions[NodeReconciled]           | operator/errors / node-agent/errors |
 // | BranchSet | everything but conditions[Reconciled]                         | operator/branchset         |
 // | BranchSet | conditions[Reconciled]                                        | operator/errors            |
@@ -52,6 +53,8 @@ pub const MANAGER_AGENT_BRANCH: &str = "ramify-node-agent/branch";
 pub const MANAGER_AGENT_SNAPSHOT: &str = "ramify-node-agent/snapshot";
 /// Node agent: a Snapshot's warm pool status.
 pub const MANAGER_AGENT_WARM_POOL: &str = "ramify-node-agent/warm-pool";
+/// Node agent: where a Snapshot's image is kept (`status.storage`: local, remote).
+pub const MANAGER_AGENT_STORAGE: &str = "ramify-node-agent/storage";
 /// Node agent: a parent's `lastCommit`/`commits` and a winner's `commitRefused` (not the
 /// parent's `sandboxId`: that is the sandbox manager's).
 pub const MANAGER_AGENT_COMMIT: &str = "ramify-node-agent/commit";

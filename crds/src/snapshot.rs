@@ -150,6 +150,10 @@ pub struct SnapshotStatus {
     /// Warm pool state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<WarmStatus>,
+    /// Where the image is kept: on its node, and in the cluster's object store when
+    /// one is configured (uploaded in the background once the Snapshot is Ready).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<SnapshotStorage>,
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
@@ -158,6 +162,20 @@ pub struct SnapshotStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
+}
+
+/// Where a Snapshot's image is kept.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotStorage {
+    /// The image is on its node (`status.nodeName`): usable at once.
+    pub local: bool,
+    /// The image is in the object store, every file verified (content-addressed,
+    /// zstd-compressed): a node that lost it downloads it, checking each sha256.
+    pub remote: bool,
+    /// When the upload completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uploaded_at: Option<Time>,
 }
 
 /// Warm pool state.

@@ -318,6 +318,21 @@ impl System {
         }
     }
 
+    /// A Snapshot `name` of Sandbox `source`.
+    pub fn snapshot_yaml(name: &str, source: &str) -> String {
+        format!(
+            "apiVersion: ramify.dev/v1alpha1\nkind: Snapshot\nmetadata: {{name: {name}}}\nspec:\n  source: {{sandbox: {source}}}\n"
+        )
+    }
+
+    /// A Sandbox `name` restored from Snapshot `snap`.
+    pub fn restored_yaml(&self, name: &str, snap: &str) -> String {
+        format!(
+            "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  rootfs: {{class: {}}}\n  restoreFrom: {{snapshot: {snap}}}\n",
+            self.rootfs_class
+        )
+    }
+
     /// A busybox Sandbox of this system's RootfsClass running `script` (`sh -c`), with
     /// `resources` (a flow mapping such as `{cpu: 500m, memory: 256Mi}`; empty: none).
     pub fn sandbox_with(&self, name: &str, script: &str, resources: &str) -> String {

@@ -566,6 +566,77 @@ fn agent_snapshot_store_quota_is_a_value() {
     );
 }
 
+/// `objectStore` unset (the embedded default): no object store flag, no Secret mounted.
+/// Set: the agent's flags name it, and the credentials Secret is mounted read-only
+/// where `--object-store-credentials-dir` points; a bucket is required.
+#[test]
+fn object_store_is_a_value_and_its_secret_is_mounted() {
+    let objs = objects(&template("ramify", "ramify-system", &[]));
+    let ds = find(&objs, "DaemonSet", "ramify-node-agent");
+    let spec = &ds["spec"]["template"]["spec"];
+    let args = strings(&spec["containers"][0]["args"]);
+    assert!(
+        !args.iter().any(|a| a.starts_with("--object-store")),
+        "{args:?}"
+    );
+    let objs = objects(&template(
+        "ramify",
+        "ramify-system",
+        &[
+            "--set",
+            "objectStore.endpoint=https://s3.example",
+            "--set",
+            "objectStore.bucket=snaps",
+            "--set",
+            "objectStore.prefix=team-a",
+            "--set",
+            "objectStore.credentialsSecret=s3-creds",
+        ],
+    ));
+    let ds = find(&objs, "DaemonSet", "ramify-node-agent");
+    let spec = &ds["spec"]["template"]["spec"];
+    let args = strings(&spec["containers"][0]["args"]);
+    for want in [
+        "--object-store-endpoint=https://s3.example",
+        "--object-store-bucket=snaps",
+        "--object-store-region=us-east-1",
+        "--object-store-prefix=team-a",
+        "--object-store-credentials-dir=/etc/ramify/object-store",
+    ] {
+        assert!(args.contains(&want), "agent args lack {want}: {args:?}");
+    }
+    let vol = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "object-store-credentials")
+        .expect("the credentials volume");
+    assert_eq!(vol["secret"]["secretName"], "s3-creds");
+    let mount = spec["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "object-store-credentials")
+        .expect("the credentials mount");
+    assert_eq!(mount["mountPath"], "/etc/ramify/object-store");
+    assert_eq!(mount["readOnly"], true);
+    let out = helm(
+        &[
+            "template",
+            "r",
+            CHART,
+            "--set",
+            "objectStore.endpoint=https://s3.example",
+        ],
+        None,
+    );
+    assert!(
+        !out.success && out.stderr.contains("objectStore.bucket is required"),
+        "{}",
+        out.stderr
+    );
+}
+
 /// `serviceMonitor.enabled=true` adds one ServiceMonitor over both metrics Services (the
 /// monitoring.coreos.com CRD is not on the test control plane, so this is checked on
 /// the rendered output only).

@@ -19,19 +19,6 @@ const COUNTING: &str =
 const READ_COUNTER: &str =
     "while :; do c=$(cat /work/counter); [ -n \"$c\" ] && break; done; echo $c";
 
-fn snapshot(name: &str, source: &str) -> String {
-    format!(
-        "apiVersion: ramify.dev/v1alpha1\nkind: Snapshot\nmetadata: {{name: {name}}}\nspec:\n  source: {{sandbox: {source}}}\n"
-    )
-}
-
-fn restored(sys: &System, name: &str, snap: &str) -> String {
-    format!(
-        "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: {name}}}\nspec:\n  rootfs: {{class: {}}}\n  restoreFrom: {{snapshot: {snap}}}\n",
-        sys.rootfs_class
-    )
-}
-
 async fn ready_snapshot(sys: &System, name: &str) -> Snapshot {
     let api: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
     sys.wait_for(api, name, "Ready", 120, |s: &Snapshot| {
@@ -79,7 +66,7 @@ async fn the_platform_is_announced_recorded_and_checked_on_restore() {
     sys.apply(&sys.sandbox_with("on-systrap", COUNTING, ""));
     running(&sys, "on-systrap").await;
     counting_on(&sys, "on-systrap").await;
-    sys.apply(&snapshot("snap-systrap", "on-systrap"));
+    sys.apply(&System::snapshot_yaml("snap-systrap", "on-systrap"));
     let snap = ready_snapshot(&sys, "snap-systrap").await;
     assert_eq!(snap.status.unwrap().platform.as_deref(), Some("systrap"));
 
@@ -87,7 +74,7 @@ async fn the_platform_is_announced_recorded_and_checked_on_restore() {
     sys.restart_agent_with("--platform", "ptrace");
     sys.lease_annotation(ANNOTATION_PLATFORM, 60, |v| v == "ptrace")
         .await;
-    sys.apply(&restored(&sys, "refused", "snap-systrap"));
+    sys.apply(&sys.restored_yaml("refused", "snap-systrap"));
     let s = sys
         .wait_sandbox("refused", "Failed", 120, |s| {
             s.status
@@ -110,13 +97,13 @@ async fn the_platform_is_announced_recorded_and_checked_on_restore() {
     sys.apply(&sys.sandbox_with("on-ptrace", COUNTING, ""));
     running(&sys, "on-ptrace").await;
     counting_on(&sys, "on-ptrace").await;
-    sys.apply(&snapshot("snap-ptrace", "on-ptrace"));
+    sys.apply(&System::snapshot_yaml("snap-ptrace", "on-ptrace"));
     let snap = ready_snapshot(&sys, "snap-ptrace").await;
     assert_eq!(snap.status.unwrap().platform.as_deref(), Some("ptrace"));
     sys.restart_agent_with("--platform", "auto");
     sys.lease_annotation(ANNOTATION_PLATFORM, 60, |v| v == "systrap")
         .await;
-    sys.apply(&restored(&sys, "continued", "snap-ptrace"));
+    sys.apply(&sys.restored_yaml("continued", "snap-ptrace"));
     running(&sys, "continued").await;
     counting_on(&sys, "continued").await;
 

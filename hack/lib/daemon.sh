@@ -36,3 +36,17 @@ wait_for() {
     sleep 0.2
   done
 }
+
+# stop NAME: ends the daemon of $dir/run/NAME.pid (TERM, then KILL after 10 s), by
+# that pid only, and removes the pid file. Nothing running is not an error.
+stop() {
+  local pidfile="$dir/run/$1.pid" pid
+  [[ -f "$pidfile" ]] || return 0
+  pid="$(cat "$pidfile")"
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+}

@@ -88,6 +88,10 @@ pub enum Error {
     /// Pulling or unpacking a Sandbox's `spec.image` (see [`crate::image`]).
     #[error(transparent)]
     Image(#[from] crate::image::ImageError),
+    /// The object store tier (see [`crate::remote`]): a store that is down is retried,
+    /// a corrupt remote object is refused for good (`corrupt_image`).
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
     /// A guarded status write lost to another writer (409); re-read and retried.
     #[error("conflict writing {0}: another writer was first")]
     Conflict(String),
@@ -117,6 +121,7 @@ impl Error {
             Error::Join(_) => "task",
             Error::Kube(e) => ramify_runtime::backoff::kube_category(e).unwrap_or("kube_api"),
             Error::Conflict(_) => "conflict",
+            Error::Remote(e) => e.category(),
             Error::Image(e) if e.is_permanent() => "image_refused",
             Error::Image(_) => "image_pull",
         }

@@ -32,6 +32,7 @@ pub mod pod_cgroup;
 pub mod private;
 pub mod procfs;
 pub mod reaper;
+pub mod remote;
 pub mod rootfs;
 pub mod roots;
 pub mod runsc;

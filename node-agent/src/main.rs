@@ -83,6 +83,55 @@ struct CapacityArgs {
     snapshot_store_quota: Option<u64>,
 }
 
+/// The cluster's object store for snapshot images (S3-compatible). Unset: images stay
+/// on their node only (the embedded default).
+#[derive(clap::Args, Clone)]
+struct ObjectStoreArgs {
+    /// `http://host:port` or `https://host` of the S3 API.
+    #[arg(
+        long,
+        env = "RAMIFY_OBJECT_STORE_ENDPOINT",
+        requires = "object_store_bucket"
+    )]
+    object_store_endpoint: Option<String>,
+    #[arg(long, env = "RAMIFY_OBJECT_STORE_BUCKET")]
+    object_store_bucket: Option<String>,
+    #[arg(long, env = "RAMIFY_OBJECT_STORE_REGION", default_value = "us-east-1")]
+    object_store_region: String,
+    /// Key prefix of every object ramify writes.
+    #[arg(long, env = "RAMIFY_OBJECT_STORE_PREFIX", default_value = "ramify")]
+    object_store_prefix: String,
+    /// Directory holding `accessKeyID` and `secretAccessKey` (a mounted Secret). Unset:
+    /// unsigned requests.
+    #[arg(long, env = "RAMIFY_OBJECT_STORE_CREDENTIALS_DIR")]
+    object_store_credentials_dir: Option<PathBuf>,
+}
+
+impl ObjectStoreArgs {
+    fn remote(&self) -> anyhow::Result<Option<ramify_node_agent::remote::RemoteStore>> {
+        use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
+        let (Some(endpoint), Some(bucket)) =
+            (&self.object_store_endpoint, &self.object_store_bucket)
+        else {
+            return Ok(None);
+        };
+        let credentials = match &self.object_store_credentials_dir {
+            Some(d) => Some(Credentials::from_dir(d)?),
+            None => None,
+        };
+        let store = RemoteStore::new(&RemoteConfig {
+            endpoint: endpoint.clone(),
+            bucket: bucket.clone(),
+            region: self.object_store_region.clone(),
+            prefix: self.object_store_prefix.clone(),
+            credentials,
+        })?;
+        // The store's address, never its credentials.
+        info!(store = ?store, "snapshot images are uploaded to the object store");
+        Ok(Some(store))
+    }
+}
+
 /// The node endpoint that serves exec, log and diff to `ramify-api` (mutual TLS).
 #[derive(clap::Args, Clone)]
 struct EndpointArgs {
@@ -209,6 +258,8 @@ enum Command {
         log_json: bool,
         #[command(flatten)]
         endpoint: Box<EndpointArgs>,
+        #[command(flatten)]
+        object_store: Box<ObjectStoreArgs>,
     },
     /// Run a command in a sandbox on this node: `exec NAMESPACE/NAME -- CMD...`.
     Exec {
@@ -406,6 +457,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             registries,
             log_json,
             endpoint,
+            object_store,
         } => {
             ramify_runtime::logging::init(log_json);
             if mode != "standalone" {
@@ -511,6 +563,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                         insecure: registries.insecure,
                     },
                     snapshot_store_quota,
+                    remote: object_store.remote()?,
                 },
                 registry,
                 metrics,

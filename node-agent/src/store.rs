@@ -173,7 +173,8 @@ pub fn sha256_read(mut r: impl Read, path: &Path) -> Result<(u64, String)> {
     Ok((total, hex::encode(h.finalize())))
 }
 
-fn digest_of(files: &[ImageFile]) -> String {
+/// sha256 over the sorted (name, sha256) list of an image's files: its digest.
+pub fn image_digest(files: &[ImageFile]) -> String {
     let mut h = Sha256::new();
     for f in files {
         h.update(f.name.as_bytes());
@@ -256,11 +257,64 @@ impl SnapshotStore {
         }
         files.sort_by(|a, b| a.name.cmp(&b.name));
         meta.size_bytes = files.iter().map(|f| f.size).sum();
-        meta.sha256 = digest_of(&files);
+        meta.sha256 = image_digest(&files);
         meta.files = files;
         let path = self.snap_dir(&meta.id)?.join(META);
         crate::private::write_atomic(&path, &serde_json::to_vec_pretty(&meta)?)?;
         info!(size = meta.size_bytes, sha256 = %meta.sha256, "snapshot sealed");
+        Ok(meta)
+    }
+
+    /// Record an image whose files were written into [`Self::begin`]'s directory by
+    /// someone who hashed them as they wrote them (a download from the object store,
+    /// see [`crate::remote`]): the directory must hold exactly `meta.files`, each of its
+    /// recorded size, and `meta.sha256` must be their digest. Sealed as [`Self::seal`]
+    /// seals a capture; every restore verifies it again like any image.
+    #[instrument(skip(self, meta), fields(id = %meta.id))]
+    pub fn land(&self, meta: SnapshotMeta) -> Result<SnapshotMeta> {
+        let dir = self.snap_dir(&meta.id)?;
+        let img = dir.join(IMAGE);
+        let refuse = |reason: String| Error::Snapshot {
+            id: meta.id.clone(),
+            reason,
+        };
+        let mut present = Vec::new();
+        for entry in fs::read_dir(&img).map_err(|e| Error::io("read image dir", &img, e))? {
+            let entry = entry.map_err(|e| Error::io("read image dir", &img, e))?;
+            let m = fs::symlink_metadata(entry.path())
+                .map_err(|e| Error::io("stat", entry.path(), e))?;
+            if !m.file_type().is_file() {
+                return Err(refuse(format!(
+                    "unexpected non-file {:?} in image",
+                    entry.file_name()
+                )));
+            }
+            present.push((entry.file_name().to_string_lossy().into_owned(), m.len()));
+        }
+        present.sort();
+        let expected: Vec<(String, u64)> = meta
+            .files
+            .iter()
+            .map(|f| (f.name.clone(), f.size))
+            .collect();
+        if present != expected {
+            return Err(refuse(format!(
+                "image files {present:?} differ from recorded {expected:?}"
+            )));
+        }
+        if image_digest(&meta.files) != meta.sha256 {
+            return Err(refuse(
+                "recorded files do not give the recorded digest".into(),
+            ));
+        }
+        if meta.size_bytes != meta.files.iter().map(|f| f.size).sum::<u64>() {
+            return Err(refuse("recorded size is not the sum of its files".into()));
+        }
+        for f in &meta.files {
+            crate::private::chmod(&img.join(&f.name), crate::private::SEALED_MODE)?;
+        }
+        crate::private::write_atomic(&dir.join(META), &serde_json::to_vec_pretty(&meta)?)?;
+        info!(size = meta.size_bytes, sha256 = %meta.sha256, "snapshot landed");
         Ok(meta)
     }
 

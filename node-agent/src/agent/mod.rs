@@ -26,6 +26,7 @@ mod rootfs_class;
 mod sandbox;
 mod self_fork;
 mod snapshot;
+mod snapshot_remote;
 mod start;
 mod store_quota;
 mod suspend;
@@ -73,6 +74,8 @@ pub struct AgentConfig {
     pub registries: crate::image::RegistryConfig,
     /// Bytes the snapshot images of this node may add up to (0: no quota).
     pub snapshot_store_quota: u64,
+    /// The cluster's object store for snapshot images; None: images stay local.
+    pub remote: Option<crate::remote::RemoteStore>,
 }
 
 type Handle = Arc<AsyncMutex<Option<LocalSandbox>>>;
@@ -116,6 +119,8 @@ pub struct Agent {
     images: std::sync::OnceLock<Arc<crate::image::ImageStore>>,
     /// Wakes the image cache's GC (a sandbox or snapshot went).
     image_gc_kick: tokio::sync::Notify,
+    /// Background uploads of snapshot images to the object store, by Snapshot uid.
+    uploads: snapshot_remote::Uploads,
 }
 
 /// What the agent's watches hold: its node's Snapshots and BranchSets, and the
@@ -181,6 +186,7 @@ impl Agent {
             settler,
             images: std::sync::OnceLock::new(),
             image_gc_kick: tokio::sync::Notify::new(),
+            uploads: snapshot_remote::Uploads::default(),
         }
     }
 

@@ -34,6 +34,7 @@ impl Agent {
                 self.cleanup_failed(snap, "close warm pool", &e);
             }
             self.admission.capacity.leave(&admission::pool_key(&uid));
+            self.remove_remote(snap).await?;
             if let Some(rec) = self.registry.snapshot(&uid)? {
                 self.engine.store().remove(&rec.image_id)?;
                 self.registry.remove_snapshot(&uid)?;
@@ -56,6 +57,8 @@ impl Agent {
                 self.write_snapshot_ready(snap, &meta, None, rec.source_commit_generation)
                     .await?;
             }
+            // In the background, after Ready (also resumed after a restart).
+            self.ensure_uploaded(snap, &rec);
             return self.keep_pool(snap, &uid, &rec).await;
         }
         if matches!(status.phase, SnapshotPhase::Failed | SnapshotPhase::Expired) {
@@ -208,8 +211,10 @@ impl Agent {
                 .capacity
                 .enter(&reservation, &group, (0, String::new()), asks)
             {
-                // Its branches need the snapshot's image on the node (by digest).
+                // Its branches need the snapshot's image on the node (by digest), and
+                // its checkpoint (from the object store if this node lost it).
                 self.ensure_snapshot_image(&[], snap).await?;
+                self.ensure_local_image(snap, rec).await?;
                 let pool = self.engine.warm_pool_gated(
                     &rec.image_id,
                     want,

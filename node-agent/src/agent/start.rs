@@ -154,6 +154,11 @@ impl Agent {
                 // Nothing of it runs: its room goes to whoever waits.
                 self.admission.release(uid);
                 self.publish_capacity();
+                // The object store down while the image downloads: retried with
+                // backoff, like the API server; a corrupt object fails it below.
+                if matches!(e, Error::Remote(_)) && !e.is_permanent() {
+                    return Err(e);
+                }
                 // Refused at the first reconcile and never retried: the spec's rootfs
                 // (and the image's platform) is immutable, so a retry could only be
                 // refused again.
@@ -161,6 +166,7 @@ impl Agent {
                     Error::RootfsRefused(_) => REASON_ROOTFS_REFUSED,
                     Error::PlatformMismatch { .. } => ramify_crds::REASON_PLATFORM_MISMATCH,
                     Error::Image(ie) => ie.reason(),
+                    Error::Remote(_) if e.is_permanent() => "RemoteImageRefused",
                     _ if obj.spec.restore_from.is_some() => "RestoreFailed",
                     _ => "StartFailed",
                 };
@@ -352,6 +358,8 @@ impl Agent {
                 // lost it (never a newer tag).
                 self.ensure_snapshot_image(&obj.spec.image_pull_secrets, &snap)
                     .await?;
+                // Its checkpoint too, from the object store if this node lost it.
+                self.ensure_local_image(&snap, &rec).await?;
                 let (noted, sb) = futures::join!(
                     self.write_sandbox_status(
                         obj,

@@ -7,7 +7,9 @@
 //! on ptrace (`--compare-platforms`), both printed with their ratio. With
 //! `--scenarios images --image REF [--insecure-registry loopback]`: the first pull of
 //! an image, starts on it with its layers cached against plain `runsc run` of the same
-//! root by hand, and the disk its sandboxes use.
+//! root by hand, and the disk its sandboxes use. With `--scenarios store` (and the
+//! object store's `RAMIFY_S3_*` environment): upload and download throughput of a real
+//! snapshot image against plain copies of the same bytes.
 //!
 //! `--scenarios suspend`: suspend and resume of a workspace per `--dirty` size, next to
 //! a fresh start that redoes its work.
@@ -43,7 +45,7 @@ struct Args {
     #[arg(long, default_value = "auto")]
     platform: String,
     /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`,
-    /// `suspend`, `images`.
+    /// `suspend`, `images`, `store`.
     #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
     scenarios: Vec<String>,
     /// Platforms the platform scenario compares (each must work with --runsc).
@@ -66,12 +68,18 @@ struct Args {
     /// Sandboxes the `images` scenario starts (and keeps, for the disk figure).
     #[arg(long, default_value_t = 10)]
     image_starts: usize,
+    /// MiB of urandom (incompressible: the worst case for zstd) the `store` scenario's
+    /// source holds in memory before its capture.
+    #[arg(long, default_value_t = 128)]
+    store_dirty: u64,
 }
 
 #[path = "ramify-bench/images.rs"]
 mod images;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
+#[path = "ramify-bench/store.rs"]
+mod store;
 #[path = "ramify-bench/suspend.rs"]
 mod suspend;
 
@@ -305,6 +313,9 @@ async fn main() -> Result<()> {
         }
         .run()
         .await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "store") {
+        result = store::run(&engine, &rootfs, &dir, args.store_dirty).await;
     }
     // `run` destroys every sandbox it holds, on success and on error; leftovers of a
     // crashed run are swept at the next start.
