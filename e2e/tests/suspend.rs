@@ -2,8 +2,11 @@
 //! and runsc: a workspace counting in memory is checkpointed and stopped (nothing of it
 //! runs, its room goes to another sandbox), forked while suspended without waking it,
 //! and resumed where it left off once its room is back; a node agent killed in the
-//! middle of a suspend resumes it where it was.
+//! middle of a suspend resumes it where it was; with an object store, a node that lost
+//! the suspended image resumes it from the store's copy (SeaweedFS, `hack/objectstore`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod objectstore;
 
 use std::time::{Duration, Instant};
 
@@ -319,4 +322,74 @@ async fn a_node_agent_killed_in_the_middle_of_a_suspend_resumes_it_where_it_was(
         std::fs::remove_dir_all(&fault_dir).ok();
         sys.teardown_and_check_clean().await;
     }
+}
+
+#[tokio::test]
+async fn a_node_that_lost_a_suspended_image_resumes_it_from_the_object_store() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let sys = System::start_with("suspend-remote", &args, &[]).await;
+    let remote = store.client();
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
+    sys.wait_sandbox("ws", "Running", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+    })
+    .await;
+    let before = wait_counter_at_least(&sys, "ws", 20).await;
+    set_suspended(&sys, "ws", true).await;
+    // Suspended, then its image uploaded: the condition says where the copy is.
+    let ws = sys
+        .wait_sandbox(
+            "ws",
+            "suspended with a copy in the object store",
+            120,
+            |s| {
+                phase(s) == Some(SandboxPhase::Suspended)
+                    && suspended_condition(s).is_some_and(|c| c.2.contains("object store"))
+            },
+        )
+        .await;
+    let (_, _, message) = suspended_condition(&ws).unwrap();
+    println!("suspended: {message}");
+    let image = message.split_whitespace().nth(3).unwrap().to_string();
+    let sha = message
+        .split("(sha256 ")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap()
+        .to_string();
+    assert!(
+        remote.has_image(&sha).await.unwrap(),
+        "no manifest {sha} in the store"
+    );
+    sys.event("ws", "Uploaded").await;
+
+    // The node loses its copy.
+    let local = sys.state_dir.join("engine/snapshots").join(&image);
+    assert!(local.is_dir(), "no local image {}", local.display());
+    std::fs::remove_dir_all(&local).unwrap();
+
+    set_suspended(&sys, "ws", false).await;
+    wait_resumed(&sys, "ws").await;
+    let after = counter(&sys, "ws").await;
+    assert!(
+        after >= before,
+        "the counter went back from {before} to {after}"
+    );
+    assert_eq!(sys.exec("ws", "cat /work/app.conf").1, "mode=slow");
+    sys.event("ws", "Downloaded").await;
+    // Resumed: the store's copy goes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while remote.has_image(&sha).await.unwrap() {
+        assert!(
+            Instant::now() < deadline,
+            "the store still holds {sha} after the resume"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sys.teardown_and_check_clean().await;
 }

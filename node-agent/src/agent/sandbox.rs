@@ -175,6 +175,9 @@ impl Agent {
                         Some(sb) => {
                             // The object goes only once the node holds nothing of it.
                             info!(id = %sb.id, "destroying deleted sandbox");
+                            if let Some(s) = &sb.suspended {
+                                self.drop_remote_suspension(s).await;
+                            }
                             if let Err(e) = self.engine.teardown(&sb).await {
                                 // Held again, so the retry tears down what is left (a
                                 // lease, a rule) instead of finding no handle and

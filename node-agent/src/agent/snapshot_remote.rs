@@ -40,7 +40,7 @@ impl Uploads {
     /// Once per Snapshot and process: a running upload retries by itself, and one
     /// refused for good (reported in an Event) is not tried again until the agent
     /// restarts (a success shows in status, which stops the next reconcile's call).
-    fn start_once(&self, uid: &str, start: impl FnOnce() -> JoinHandle<()>) {
+    pub(super) fn start_once(&self, uid: &str, start: impl FnOnce() -> JoinHandle<()>) {
         let Ok(mut m) = self.running.lock() else {
             return;
         };
@@ -53,7 +53,7 @@ impl Uploads {
         }
     }
 
-    fn download_lock(&self, image: &str) -> Arc<AsyncMutex<()>> {
+    pub(super) fn download_lock(&self, image: &str) -> Arc<AsyncMutex<()>> {
         self.downloads
             .lock()
             .map(|mut m| m.entry(image.to_string()).or_default().clone())

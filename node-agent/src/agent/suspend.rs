@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 use super::{Agent, error_category};
 use crate::engine::{LocalSandbox, Suspension};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// How soon a refused suspend is tried again (the store may have room by then).
 const SUSPEND_RETRY: Duration = Duration::from_secs(15);
@@ -36,9 +36,25 @@ impl Agent {
             (false, None) => Ok(None),
             (true, Some(s)) => {
                 let phase = obj.status.as_ref().map(|st| st.phase);
-                if phase != Some(SandboxPhase::Suspended) {
-                    // Suspended before a crash or a failed report: say so again.
+                let said = obj
+                    .status
+                    .as_ref()
+                    .and_then(|st| {
+                        st.conditions
+                            .iter()
+                            .find(|c| c.type_ == CONDITION_SUSPENDED)
+                    })
+                    .map(|c| c.message.clone());
+                // Suspended before a crash or a failed report, or uploaded since: say so.
+                if phase != Some(SandboxPhase::Suspended)
+                    || said.as_deref() != Some(suspended_message(&self.cfg.node, &s).as_str())
+                {
                     self.report_suspended(obj, sb, &s).await?;
+                }
+                if self.cfg.remote.is_some() && !s.remote {
+                    // A restarted agent resumes the upload; looked at again until done.
+                    self.upload_suspension(obj, uid, &s);
+                    return Ok(Some(Action::requeue(Duration::from_secs(5))));
                 }
                 Ok(Some(Action::await_change()))
             }
@@ -78,6 +94,10 @@ impl Agent {
                     suspended_message(&self.cfg.node, &s),
                 )
                 .await;
+                if self.cfg.remote.is_some() {
+                    self.upload_suspension(obj, uid, &s);
+                    return Ok(Some(Action::requeue(Duration::from_secs(5))));
+                }
                 Ok(Some(Action::await_change()))
             }
             Err(e) => {
@@ -108,7 +128,11 @@ impl Agent {
         }
         let slot = self.admission.restores.permit(uid);
         self.publish_capacity();
-        let resumed = self.engine.resume(sb).await;
+        let suspension = sb.suspended.clone();
+        let resumed = match self.ensure_suspended_image(obj, sb).await {
+            Ok(()) => self.engine.resume(sb).await,
+            Err(e) => Err(e),
+        };
         drop(slot);
         self.admission.restores.leave(uid);
         let took = match resumed {
@@ -177,7 +201,119 @@ impl Agent {
         .await?;
         self.mark_reported(uid);
         self.event(obj, false, REASON_RESUMED, message).await;
+        if let Some(s) = suspension {
+            // Restored: the object store's copy is not needed any more.
+            self.drop_remote_suspension(&s).await;
+        }
         Ok(Action::requeue(Duration::from_secs(10)))
+    }
+
+    /// Uploads a suspended sandbox's image to the object store in the background
+    /// (once per image and process; retried with backoff while the store is down), and
+    /// records the copy in the sandbox's record; the next look reports it.
+    fn upload_suspension(self: &Arc<Self>, obj: &SandboxObj, uid: &str, s: &Suspension) {
+        let Some(remote) = self.cfg.remote.clone() else {
+            return;
+        };
+        let (agent, image, uid, obj) =
+            (self.clone(), s.image.clone(), uid.to_string(), obj.clone());
+        self.uploads.start_once(&format!("suspended/{image}"), move || {
+            tokio::spawn(async move {
+                let mut wait = Duration::from_secs(1);
+                loop {
+                    let Some(h) = agent.handle(&uid) else { return };
+                    let still = h.lock().await.as_ref().is_some_and(|sb| {
+                        sb.suspended.as_ref().is_some_and(|x| x.image == image)
+                    });
+                    if !still {
+                        return;
+                    }
+                    match remote.upload(agent.engine.store(), &image).await {
+                        Ok(r) => {
+                            let marked = match h.lock().await.as_mut() {
+                                Some(sb) => agent.engine.mark_suspension_remote(sb, &image),
+                                None => Ok(false),
+                            };
+                            match marked {
+                                Ok(true) => {
+                                    info!(image = %image, sha256 = %r.image_sha256, "suspended image uploaded");
+                                    let note = format!("suspended image {image} is in the object store (sha256 {})", r.image_sha256);
+                                    agent.event(&obj, false, "Uploaded", note).await;
+                                }
+                                Ok(false) => {}
+                                Err(e) => warn!(image = %image, error = %e, "recording an uploaded suspended image failed"),
+                            }
+                            return;
+                        }
+                        Err(e) => {
+                            let e = Error::from(e);
+                            agent.metrics.failed("suspend_upload", error_category(&e));
+                            if e.is_permanent() {
+                                warn!(image = %image, error = %e, "uploading a suspended image failed for good");
+                                agent.event(&obj, true, "UploadFailed", e.to_string()).await;
+                                return;
+                            }
+                            warn!(image = %image, error = %e, ?wait, "uploading a suspended image failed; retried");
+                            tokio::time::sleep(wait).await;
+                            wait = (wait * 2).min(Duration::from_secs(60));
+                        }
+                    }
+                }
+            })
+        });
+    }
+
+    /// The suspended image is on this node, or is downloaded from the object store
+    /// (every file's sha256 checked; a corrupt copy is refused and nothing of it stays).
+    async fn ensure_suspended_image(&self, obj: &SandboxObj, sb: &LocalSandbox) -> Result<()> {
+        let Some(s) = sb.suspended.clone() else {
+            return Ok(());
+        };
+        let store = self.engine.store();
+        if store.meta(&s.image).is_ok() {
+            return Ok(());
+        }
+        let Some(remote) = self.cfg.remote.as_ref().filter(|_| s.remote) else {
+            return Err(Error::Snapshot {
+                id: s.image.clone(),
+                reason: "the suspended sandbox's image is gone from this node and has no copy in an object store".into(),
+            });
+        };
+        let lock = self.uploads.download_lock(&s.image);
+        let _held = lock.lock().await;
+        // What a download cut short left (no record): never restored from.
+        store.remove(&s.image)?;
+        let r = remote.download(store, &s.sha256).await?;
+        if r.meta.id != s.image {
+            store.remove(&r.meta.id)?;
+            return Err(Error::Snapshot {
+                id: s.image.clone(),
+                reason: format!(
+                    "the object store's image {} is image {}",
+                    s.sha256, r.meta.id
+                ),
+            });
+        }
+        let note = format!(
+            "the suspended image was gone from node {}: downloaded from the object store and verified ({} bytes)",
+            self.cfg.node, r.meta.size_bytes
+        );
+        self.event(obj, false, "Downloaded", note).await;
+        Ok(())
+    }
+
+    /// Removes a suspension's copy from the object store (once resumed, or deleted): a
+    /// failure is logged and counted, it never holds up the sandbox.
+    pub(super) async fn drop_remote_suspension(&self, s: &Suspension) {
+        let Some(remote) = self.cfg.remote.as_ref().filter(|_| s.remote) else {
+            return;
+        };
+        if let Err(e) = remote.delete(&s.sha256).await {
+            let e = Error::from(e);
+            warn!(image = %s.image, error = %e, "removing a suspended image's copy from the object store failed");
+            self.metrics
+                .failed("suspend_remote_delete", error_category(&e));
+        }
     }
 
     async fn report_suspended(
@@ -265,8 +401,13 @@ impl Agent {
 }
 
 fn suspended_message(node: &str, s: &Suspension) -> String {
+    let copy = if s.remote {
+        format!("; a copy is in the object store (sha256 {})", s.sha256)
+    } else {
+        String::new()
+    };
     format!(
-        "checkpointed to image {} ({} bytes) on node {} in {} ms; nothing of it runs until spec.suspended is false",
+        "checkpointed to image {} ({} bytes) on node {} in {} ms{copy}; nothing of it runs until spec.suspended is false",
         s.image, s.size_bytes, node, s.checkpoint_millis
     )
 }

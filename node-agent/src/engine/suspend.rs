@@ -34,6 +34,12 @@ pub struct Suspension {
     pub since_unix_ms: u64,
     pub size_bytes: u64,
     pub checkpoint_millis: u64,
+    /// sha256 of the sealed image (what the object store keeps it under).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sha256: String,
+    /// A copy is in the object store: the node may lose its own and still resume.
+    #[serde(default)]
+    pub remote: bool,
 }
 
 /// What a crash-interrupted suspend turned out to be (see [`Engine::settle_suspend`]).
@@ -82,6 +88,8 @@ impl Engine {
             since_unix_ms: now_ms(),
             size_bytes: 0,
             checkpoint_millis: 0,
+            sha256: String::new(),
+            remote: false,
         });
         // Recorded before runsc is asked: a crash from here on is settled on restart.
         if let Err(e) = self.persist(sb) {
@@ -148,6 +156,7 @@ impl Engine {
         }
         s.sealed = true;
         s.size_bytes = meta.size_bytes;
+        s.sha256 = meta.sha256.clone();
         s.checkpoint_millis = checkpoint.as_millis() as u64;
         sb.suspended = Some(s.clone());
         self.persist(sb)?;
@@ -215,6 +224,18 @@ impl Engine {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         Ok(true)
+    }
+
+    /// Records that the suspended image `image` of `sb` has a copy in the object store.
+    pub fn mark_suspension_remote(&self, sb: &mut LocalSandbox, image: &str) -> Result<bool> {
+        match sb.suspended.as_mut() {
+            Some(s) if s.image == image && !s.remote => {
+                s.remote = true;
+                self.persist(sb)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Restores a suspended sandbox from its image, verified first, in its own
