@@ -97,6 +97,16 @@ async fn wait_counter_at_least(sys: &System, name: &str, n: u64) -> u64 {
     }
 }
 
+/// Workspace `ws` (500m) running and counting: its counter once it reached 20.
+async fn counting_workspace(sys: &System) -> u64 {
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
+    sys.wait_sandbox("ws", "Running", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+    })
+    .await;
+    wait_counter_at_least(sys, "ws", 20).await
+}
+
 async fn wait_suspended(sys: &System, name: &str) -> Sandbox {
     sys.wait_sandbox(name, "Suspended", 120, |s| {
         phase(s) == Some(SandboxPhase::Suspended)
@@ -284,12 +294,7 @@ async fn a_node_agent_killed_in_the_middle_of_a_suspend_resumes_it_where_it_was(
             ],
         )
         .await;
-        sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
-        sys.wait_sandbox("ws", "Running", 120, |s| {
-            phase(s) == Some(SandboxPhase::Running)
-        })
-        .await;
-        let before = wait_counter_at_least(&sys, "ws", 20).await;
+        let before = counting_workspace(&sys).await;
         set_suspended(&sys, "ws", true).await;
         let marker = fault_dir.join(point);
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -332,12 +337,7 @@ async fn a_node_that_lost_a_suspended_image_resumes_it_from_the_object_store() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let sys = System::start_with("suspend-remote", &args, &[]).await;
     let remote = store.client();
-    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
-    sys.wait_sandbox("ws", "Running", 120, |s| {
-        phase(s) == Some(SandboxPhase::Running)
-    })
-    .await;
-    let before = wait_counter_at_least(&sys, "ws", 20).await;
+    let before = counting_workspace(&sys).await;
     set_suspended(&sys, "ws", true).await;
     // Suspended, then its image uploaded: the condition says where the copy is.
     let ws = sys

@@ -36,15 +36,7 @@ impl Agent {
             (false, None) => Ok(None),
             (true, Some(s)) => {
                 let phase = obj.status.as_ref().map(|st| st.phase);
-                let said = obj
-                    .status
-                    .as_ref()
-                    .and_then(|st| {
-                        st.conditions
-                            .iter()
-                            .find(|c| c.type_ == CONDITION_SUSPENDED)
-                    })
-                    .map(|c| c.message.clone());
+                let said = suspended_condition(obj).map(|c| c.message.clone());
                 // Suspended before a crash or a failed report, or uploaded since: say so.
                 if phase != Some(SandboxPhase::Suspended)
                     || said.as_deref() != Some(suspended_message(&self.cfg.node, &s).as_str())
@@ -169,15 +161,7 @@ impl Agent {
                 };
             }
         };
-        let since = obj
-            .status
-            .as_ref()
-            .and_then(|st| {
-                st.conditions
-                    .iter()
-                    .find(|c| c.type_ == CONDITION_SUSPENDED)
-            })
-            .and_then(|c| c.last_transition_time.clone());
+        let since = suspended_condition(obj).and_then(|c| c.last_transition_time.clone());
         let message = match since {
             Some(t) => format!(
                 "resumed on node {} in {} ms (suspended since {})",
@@ -398,6 +382,14 @@ impl Agent {
             .await;
         Ok(())
     }
+}
+
+fn suspended_condition(obj: &SandboxObj) -> Option<&Condition> {
+    obj.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_SUSPENDED)
 }
 
 fn suspended_message(node: &str, s: &Suspension) -> String {
