@@ -393,3 +393,33 @@ async fn a_node_that_lost_a_suspended_image_resumes_it_from_the_object_store() {
     }
     sys.teardown_and_check_clean().await;
 }
+
+#[tokio::test]
+async fn a_suspended_sandbox_whose_image_is_gone_without_a_copy_fails_saying_so() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("suspend-lost").await;
+    counting_workspace(&sys).await;
+    set_suspended(&sys, "ws", true).await;
+    let ws = wait_suspended(&sys, "ws").await;
+    let (_, _, message) = suspended_condition(&ws).unwrap();
+    let image = message.split_whitespace().nth(3).unwrap().to_string();
+    std::fs::remove_dir_all(sys.state_dir.join("engine/snapshots").join(&image)).unwrap();
+    set_suspended(&sys, "ws", false).await;
+    // Nothing can bring it back: it fails for good with the reason, never starts fresh.
+    let ws = sys
+        .wait_sandbox("ws", "Failed: image lost", 60, |s| {
+            phase(s) == Some(SandboxPhase::Failed)
+        })
+        .await;
+    let ready = ws
+        .status
+        .unwrap()
+        .conditions
+        .get_condition("Ready")
+        .cloned()
+        .unwrap();
+    assert_eq!(ready.reason, "ResumeFailed", "{ready:?}");
+    assert!(ready.message.contains("is lost"), "{}", ready.message);
+    sys.event("ws", "ResumeFailed").await;
+    sys.teardown_and_check_clean().await;
+}

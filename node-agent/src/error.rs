@@ -66,6 +66,9 @@ pub enum Error {
         expected: String,
         actual: String,
     },
+    /// An image nothing can bring back (gone from the node, no copy anywhere).
+    #[error("image {id} is lost: {reason}")]
+    ImageLost { id: String, reason: String },
     #[error("network setup: {0}")]
     Network(String),
     #[error("rootfs: {0}")]
@@ -112,6 +115,7 @@ impl Error {
             Error::VersionMismatch { .. } => "version_mismatch",
             Error::PlatformMismatch { .. } => "platform_mismatch",
             Error::CorruptImage { .. } => "corrupt_image",
+            Error::ImageLost { .. } => "image_lost",
             Error::Network(_) => "network",
             Error::Rootfs(_) => "rootfs",
             Error::RootfsRefused(_) => "rootfs_refused",

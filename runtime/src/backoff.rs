@@ -16,12 +16,13 @@ use std::time::{Duration, Instant};
 /// Error categories (the `error` label of `reconcile_failures`) that a retry cannot fix:
 /// the object itself is wrong, or what it names does not exist. The same object retried
 /// fails the same way, so it waits for a change instead.
-pub const PERMANENT_CATEGORIES: [&str; 5] = [
+pub const PERMANENT_CATEGORIES: [&str; 6] = [
     "invalid",
     "not_found",
     "unsupported",
     "version_mismatch",
     "corrupt_image",
+    "image_lost",
 ];
 
 /// Whether errors of `category` are permanent (see [`PERMANENT_CATEGORIES`]).

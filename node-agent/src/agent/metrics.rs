@@ -29,6 +29,13 @@ pub struct FailureLabels {
     pub error: String,
 }
 
+/// `op` is `upload` or `download`; `of` is `snapshot` or `suspended`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransferLabels {
+    pub op: String,
+    pub of: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PlatformLabels {
     /// What sandboxes run on.
@@ -55,6 +62,12 @@ pub struct AgentMetrics {
     pub restore_seconds: Histogram,
     pub warm_claim_seconds: Histogram,
     pub commit_seconds: Histogram,
+    /// Suspends (checkpoint, stop, seal) and resumes of sandboxes.
+    pub suspend_seconds: Histogram,
+    pub resume_seconds: Histogram,
+    /// Object store transfers of images (`upload`, `download`): time and bytes.
+    pub transfer_seconds: Family<TransferLabels, Histogram>,
+    pub transfer_bytes: Family<TransferLabels, Counter>,
     pub warm_hits: Counter,
     pub warm_misses: Counter,
     pub sandboxes: Gauge,
@@ -71,6 +84,16 @@ pub struct AgentMetrics {
 }
 
 impl AgentMetrics {
+    /// Records one finished transfer of an image.
+    pub fn transferred(&self, op: &str, of: &str, seconds: f64, bytes: u64) {
+        let l = TransferLabels {
+            op: op.into(),
+            of: of.into(),
+        };
+        self.transfer_seconds.get_or_create(&l).observe(seconds);
+        self.transfer_bytes.get_or_create(&l).inc_by(bytes);
+    }
+
     /// The agent's metrics, with the engine's `cleanup` failures among them.
     pub fn new(runsc_version: &str, cleanup: &crate::cleanup::CleanupFailures) -> Self {
         let mut r = Registry::with_prefix("ramify_node_agent");
@@ -87,6 +110,12 @@ impl AgentMetrics {
             restore_seconds: Histogram::new(buckets()),
             warm_claim_seconds: Histogram::new(buckets()),
             commit_seconds: Histogram::new(buckets()),
+            suspend_seconds: Histogram::new(buckets()),
+            resume_seconds: Histogram::new(buckets()),
+            transfer_seconds: Family::new_with_constructor(move || {
+                Histogram::new(exponential_buckets(0.001, 2.0, 20))
+            }),
+            transfer_bytes: Family::default(),
             warm_hits: Counter::default(),
             warm_misses: Counter::default(),
             sandboxes: Gauge::default(),
@@ -134,6 +163,26 @@ impl AgentMetrics {
             "commit_seconds",
             "Applying a commit (Full or Paths) to the parent",
             m.commit_seconds.clone(),
+        );
+        r.register(
+            "suspend_seconds",
+            "Suspending a sandbox: checkpoint, stop, image written back and sealed",
+            m.suspend_seconds.clone(),
+        );
+        r.register(
+            "resume_seconds",
+            "Resuming a suspended sandbox from its image (a download included)",
+            m.resume_seconds.clone(),
+        );
+        r.register(
+            "object_store_transfer_seconds",
+            "Uploads and downloads of images to and from the object store",
+            m.transfer_seconds.clone(),
+        );
+        r.register(
+            "object_store_transfer_bytes",
+            "Bytes of images uploaded and downloaded (uncompressed)",
+            m.transfer_bytes.clone(),
         );
         r.register(
             "warm_pool_hits",
@@ -257,5 +306,21 @@ mod tests {
             text.contains(r#"ramify_node_agent_platform{platform="systrap",requested="auto"} 1"#),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_transfer_counts_its_bytes_and_time_by_direction_and_kind() {
+        let m = AgentMetrics::new("release-test", &Default::default());
+        m.transferred("upload", "suspended", 0.5, 42);
+        m.transferred("upload", "suspended", 0.25, 8);
+        m.transferred("download", "snapshot", 1.0, 7);
+        let text = ramify_runtime::render(&m.registry);
+        for want in [
+            r#"ramify_node_agent_object_store_transfer_bytes_total{op="upload",of="suspended"} 50"#,
+            r#"ramify_node_agent_object_store_transfer_bytes_total{op="download",of="snapshot"} 7"#,
+            r#"ramify_node_agent_object_store_transfer_seconds_count{op="upload",of="suspended"} 2"#,
+        ] {
+            assert!(text.contains(want), "{want} not in\n{text}");
+        }
     }
 }

@@ -70,6 +70,7 @@ struct UploadJob {
     reference: k8s_openapi::api::core::v1::ObjectReference,
     name: String,
     image_id: String,
+    metrics: super::metrics::AgentMetrics,
 }
 
 impl UploadJob {
@@ -83,8 +84,15 @@ impl UploadJob {
                 warn!(snapshot = %self.name, image = %self.image_id, "local image gone; upload stopped");
                 return;
             }
+            let t0 = std::time::Instant::now();
             match self.remote.upload(&self.local, &self.image_id).await {
                 Ok(r) => {
+                    self.metrics.transferred(
+                        "upload",
+                        "snapshot",
+                        t0.elapsed().as_secs_f64(),
+                        r.bytes_read,
+                    );
                     info!(snapshot = %self.name, uploaded = r.uploaded.len(), skipped = r.skipped.len(),
                         bytes_sent = r.bytes_sent, "snapshot image in the object store");
                     self.report(json!({"local": true, "remote": true, "uploadedAt": now()}))
@@ -182,6 +190,7 @@ impl Agent {
                 reference: snap.object_ref(&()),
                 name: snap.name_any(),
                 image_id: rec.image_id.clone(),
+                metrics: self.metrics.clone(),
             };
             tokio::spawn(job.run())
         });
@@ -231,8 +240,15 @@ impl Agent {
         // A directory without its record is what a download cut short (a crash) left:
         // nothing restores from it (every restore reads the record first).
         store.remove(&rec.image_id)?;
+        let t0 = std::time::Instant::now();
         match remote.download(store, &sha).await {
             Ok(r) if r.meta.id == rec.image_id => {
+                self.metrics.transferred(
+                    "download",
+                    "snapshot",
+                    t0.elapsed().as_secs_f64(),
+                    r.meta.size_bytes,
+                );
                 self.event(
                     snap,
                     false,

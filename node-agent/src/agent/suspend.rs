@@ -73,8 +73,12 @@ impl Agent {
             return Ok(Some(Action::requeue(SUSPEND_RETRY)));
         }
         info!(sandbox = %obj.name_any(), id = %sb.id, "suspending");
+        let t0 = std::time::Instant::now();
         match self.engine.suspend(sb).await {
             Ok(s) => {
+                self.metrics
+                    .suspend_seconds
+                    .observe(t0.elapsed().as_secs_f64());
                 // Nothing of it runs now: its room goes to whoever waits.
                 self.admission.capacity.leave(uid);
                 self.publish_capacity();
@@ -121,10 +125,16 @@ impl Agent {
         let slot = self.admission.restores.permit(uid);
         self.publish_capacity();
         let suspension = sb.suspended.clone();
+        let t0 = std::time::Instant::now();
         let resumed = match self.ensure_suspended_image(obj, sb).await {
             Ok(()) => self.engine.resume(sb).await,
             Err(e) => Err(e),
         };
+        if resumed.is_ok() {
+            self.metrics
+                .resume_seconds
+                .observe(t0.elapsed().as_secs_f64());
+        }
         drop(slot);
         self.admission.restores.leave(uid);
         let took = match resumed {
@@ -212,8 +222,15 @@ impl Agent {
                     if !still {
                         return;
                     }
+                    let t0 = std::time::Instant::now();
                     match remote.upload(agent.engine.store(), &image).await {
                         Ok(r) => {
+                            agent.metrics.transferred(
+                                "upload",
+                                "suspended",
+                                t0.elapsed().as_secs_f64(),
+                                r.bytes_read,
+                            );
                             let marked = match h.lock().await.as_mut() {
                                 Some(sb) => agent.engine.mark_suspension_remote(sb, &image),
                                 None => Ok(false),
@@ -258,7 +275,8 @@ impl Agent {
             return Ok(());
         }
         let Some(remote) = self.cfg.remote.as_ref().filter(|_| s.remote) else {
-            return Err(Error::Snapshot {
+            // Nothing can bring it back: permanent.
+            return Err(Error::ImageLost {
                 id: s.image.clone(),
                 reason: "the suspended sandbox's image is gone from this node and has no copy in an object store".into(),
             });
@@ -267,7 +285,14 @@ impl Agent {
         let _held = lock.lock().await;
         // What a download cut short left (no record): never restored from.
         store.remove(&s.image)?;
+        let t0 = std::time::Instant::now();
         let r = remote.download(store, &s.sha256).await?;
+        self.metrics.transferred(
+            "download",
+            "suspended",
+            t0.elapsed().as_secs_f64(),
+            r.meta.size_bytes,
+        );
         if r.meta.id != s.image {
             store.remove(&r.meta.id)?;
             return Err(Error::Snapshot {
