@@ -1,8 +1,10 @@
 # syntax=docker/dockerfile:1.7
-# Images for the operator, the node agent and ramify-api. Build one with --target:
+# Images for the operator, the node agent, ramify-api and ramify-pod (the container of
+# a Sandbox's Pod in cluster mode). Build one with --target:
 #   docker build --target operator   -t ramify/operator:dev .
 #   docker build --target node-agent -t ramify/node-agent:dev .
 #   docker build --target api        -t ramify/api:dev .
+#   docker build --target pod        -t ramify/pod:dev .
 
 # The same recipe, without Docker: hack/images/ramify.sh (ramify-images.py lists what is
 # in each image; e2e/tests/images_recipe.rs checks that the two agree).
@@ -18,15 +20,17 @@ COPY node-agent node-agent
 COPY api api
 COPY plugin plugin
 COPY e2e e2e
+COPY pod pod
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     RUSTFLAGS='-C target-feature=+crt-static' \
     cargo build --locked --profile image --target x86_64-unknown-linux-gnu \
-      -p ramify-operator -p ramify-node-agent -p ramify-api && \
+      -p ramify-operator -p ramify-node-agent -p ramify-api -p ramify-pod && \
     mkdir -p /out && \
     cp target/x86_64-unknown-linux-gnu/image/ramify-operator \
        target/x86_64-unknown-linux-gnu/image/ramify-node-agent \
-       target/x86_64-unknown-linux-gnu/image/ramify-api /out/
+       target/x86_64-unknown-linux-gnu/image/ramify-api \
+       target/x86_64-unknown-linux-gnu/image/ramify-pod /out/
 
 # --- Go: the pinned runsc (restores need the exact version that checkpointed) ------
 FROM golang:1.26-bookworm AS runsc-build
@@ -57,6 +61,12 @@ COPY --from=static-root /static/ /
 COPY --from=rust-build /out/ramify-api /ramify-api
 USER 65532:65532
 ENTRYPOINT ["/ramify-api"]
+
+# --- pod: ramify-pod alone (it needs no shell, no CA bundle, no passwd), non-root ---
+FROM scratch AS pod
+COPY --from=rust-build /out/ramify-pod /ramify-pod
+USER 65532:65532
+ENTRYPOINT ["/ramify-pod"]
 
 # --- node agent: runsc, CNI plugins and iptables for per-sandbox networking ---------
 FROM debian:bookworm-slim AS node-agent

@@ -8,6 +8,7 @@ pub mod exit;
 pub mod image;
 pub mod names;
 pub mod platform;
+pub mod pod;
 pub mod rootfsclass;
 pub mod sandbox;
 pub mod snapshot;

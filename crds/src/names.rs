@@ -13,7 +13,7 @@ pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 //
 // | object    | field(s)                                                      | manager                    |
 // |-----------|---------------------------------------------------------------|----------------------------|
-// | Sandbox   | nodeName, conditions[Scheduled]                               | operator/sandbox-binding   |
+// | Sandbox   | nodeName, conditions[Scheduled], pod (cluster mode)           | operator/sandbox-binding   |
 // | Sandbox   | phase, observedGeneration, sandboxId, identity, startedAt,    | node-agent/sandbox         |
 // |           | restoredFrom, exit, exitCode, conditions[Ready]               |                            |
 // | Sandbox   | branch                                                        | node-agent/branch          |
@@ -31,7 +31,9 @@ pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 //
 // One exception, exclusive in time: the operator's binding manager writes a Sandbox's
 // `phase` (`Failed`) when it refuses to bind it for good (its snapshot is unusable);
-// such a sandbox is never bound, so no node agent ever writes it. The system test
+// such a sandbox is never bound, so no node agent ever writes it. In cluster mode the
+// operator also owns each Sandbox's Pod (the whole object, created once as
+// `ramify-operator/pod`: [`crate::pod::MANAGER_OPERATOR_POD`]). The system test
 // `no_status_field_is_owned_by_two_field_managers` checks real objects' managed fields.
 
 /// Operator: a BranchSet's status (phase, branches, winner, effects).

@@ -33,6 +33,7 @@ use crate::common::{Condition, EnvVar};
     validation = Rule::new("has(self.restoreFrom) || has(self.image) || (has(self.command) && size(self.command) > 0)").message("spec.command must not be empty unless spec.restoreFrom is set (a restored sandbox continues its snapshotted processes) or spec.image is (its config supplies the command)").field_path(".command"),
     validation = Rule::new("has(self.restoreFrom) == has(oldSelf.restoreFrom) && (!has(self.restoreFrom) || self.restoreFrom == oldSelf.restoreFrom)").message("spec.restoreFrom is immutable").field_path(".restoreFrom"),
     validation = Rule::new("!has(self.suspended) || !self.suspended || !has(self.restoreFrom) || !has(self.restoreFrom.branch)").message("spec.suspended cannot be set on a branch of a BranchSet (its run decides it; suspend the workspace it was forked from instead)").field_path(".suspended"),
+    validation = Rule::new("has(self.pod) == has(oldSelf.pod) && (!has(self.pod) || self.pod == oldSelf.pod)").message("spec.pod is immutable (a Pod's placement cannot change; create a new Sandbox)").field_path(".pod"),
     validation = Rule::new("has(self.image) == has(oldSelf.image) && (!has(self.image) || self.image == oldSelf.image) && has(self.rootfs) == has(oldSelf.rootfs) && (!has(self.rootfs) || self.rootfs == oldSelf.rootfs)").message("spec.image and spec.rootfs are immutable").field_path(".rootfs"),
 )]
 #[serde(rename_all = "camelCase")]
@@ -105,6 +106,11 @@ pub struct SandboxSpec {
     /// suspended sandbox is taken from that image without waking it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub suspended: bool,
+    /// Cluster mode only: the placement and labels of the Pod backing this sandbox
+    /// (node selector, tolerations, affinity, priority class, labels, annotations).
+    /// Immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<crate::pod::PodSettings>,
 }
 
 /// What a workload may ask for when it forks itself from inside: it writes
@@ -320,6 +326,10 @@ pub struct SandboxStatus {
     /// record it; their branches restore exactly this image, never a newer tag.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_digest: Option<String>,
+    /// Cluster mode: the Pod backing this sandbox (its name, UID and IP), written with
+    /// the binding once the scheduler placed the Pod; its IP once the Pod has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodRef>,
     /// The identity written to `/run/ramify/identity`: unique per sandbox and per fork.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,
@@ -494,4 +504,15 @@ mod tests {
         assert!(c.commit.at.is_some());
         assert_eq!(serde_json::to_value(&c).unwrap(), wire);
     }
+}
+
+/// The Pod backing a Sandbox in cluster mode.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRef {
+    pub name: String,
+    pub uid: String,
+    /// The Pod's IP, once it has one: the sandbox answers on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
 }

@@ -321,7 +321,7 @@ pub fn kubepods_pids() -> Vec<String> {
 }
 
 /// Every mounted cgroup hierarchy (v1 controllers and the v2 tree).
-fn cgroup_roots() -> Vec<PathBuf> {
+pub fn cgroup_roots() -> Vec<PathBuf> {
     std::fs::read_to_string("/proc/self/mounts")
         .unwrap_or_default()
         .lines()

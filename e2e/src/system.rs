@@ -39,6 +39,8 @@ pub struct System {
     pub nodes: Vec<ExtraNode>,
     /// Names this system's cgroup parent (`/ramify-e2e-<suffix>`).
     suffix: String,
+    /// The node its agent announces.
+    node_name: String,
     /// The e2e bridge's iptables rules from before this system started.
     iptables_before: Vec<String>,
 }
@@ -119,6 +121,18 @@ impl System {
     /// larger allocatable, a test with fewer restore slots) and more node-agent
     /// environment (fault hold points).
     pub async fn start_with(name: &str, agent_args: &[&str], agent_env: &[(&str, &str)]) -> System {
+        Self::start_configured(name, agent_args, agent_env, &[], None).await
+    }
+
+    /// [`System::start_with`] with more operator flags, and the agent announcing
+    /// `node_name` instead of a node of its own (a real kubelet's node, in cluster mode).
+    pub async fn start_configured(
+        name: &str,
+        agent_args: &[&str],
+        agent_env: &[(&str, &str)],
+        operator_args: &[&str],
+        node_name: Option<&str>,
+    ) -> System {
         clean_earlier_runs();
         let cp = ControlPlane::ensure().expect("control plane");
         let client = cp.client().await.expect("client");
@@ -146,7 +160,7 @@ impl System {
                 std::env::var("RAMIFY_E2E_LOG").unwrap_or_else(|_| "info".into()),
             ),
         ];
-        let node = format!("e2e-{suffix}");
+        let node = node_name.map_or_else(|| format!("e2e-{suffix}"), str::to_string);
         let mut operator = Component::new(
             "operator",
             binary("ramify-operator").unwrap(),
@@ -155,7 +169,10 @@ impl System {
                 "127.0.0.1:0".into(),
                 "--system-namespace".into(),
                 system_ns.name.clone(),
-            ],
+            ]
+            .into_iter()
+            .chain(operator_args.iter().map(|a| a.to_string()))
+            .collect(),
             env.clone(),
             &base,
         );
@@ -233,6 +250,7 @@ impl System {
             rootfs_class,
             nodes: Vec::new(),
             suffix: suffix.to_string(),
+            node_name: node,
             iptables_before,
         }
     }
@@ -405,7 +423,7 @@ impl System {
 
     /// The node name this system's agent announces.
     pub fn node(&self) -> String {
-        format!("e2e-{}", self.suffix)
+        self.node_name.clone()
     }
 
     /// The API server's request counters (`apiserver_request_total`) summed by

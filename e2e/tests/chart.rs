@@ -174,11 +174,7 @@ fn schema_rejects_bad_values_with_the_key_named() {
             "at '/agent/platform': value must be one of 'auto', 'systrap', 'ptrace', 'kvm'",
         ),
         ("agent.stateDir=var/lib/ramify", "at '/agent/stateDir'"),
-        // Cluster placement is not implemented by the agent yet (issue #14).
-        (
-            "agent.mode=cluster",
-            "at '/agent/mode': value must be 'standalone'",
-        ),
+        ("mode=kubernetes", "at '/mode'"),
         (
             "agent.network.bridge=a-name-far-too-long",
             "at '/agent/network/bridge'",
@@ -566,6 +562,86 @@ fn agent_snapshot_store_quota_is_a_value() {
     );
 }
 
+/// `mode`: standalone (the default) gives no Pod rights and no kubelet mount; cluster
+/// passes the mode and the Pod image (by digest when one is set) to the operator, gives
+/// the operator the Pod verbs it needs and the agent read access to Pods, and mounts
+/// the kubelet's root into the agent; the agent is on the node's network either way.
+#[test]
+fn cluster_mode_is_a_value() {
+    let pod_rules = |objs: &[Value], role: &str| -> Vec<String> {
+        find(objs, "ClusterRole", role)["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| strings(&r["resources"]).contains(&"pods"))
+            .flat_map(|r| strings(&r["verbs"]).into_iter().map(String::from))
+            .collect()
+    };
+    let objs = objects(&template("ramify", "ramify-system", &[]));
+    let op = find(&objs, "Deployment", "ramify-operator");
+    let op_args = strings(&op["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(op_args.contains(&"--mode=standalone"), "{op_args:?}");
+    assert!(!op_args.iter().any(|a| a.starts_with("--pod-image")));
+    assert!(pod_rules(&objs, "ramify-operator").is_empty());
+    assert!(pod_rules(&objs, "ramify-node-agent").is_empty());
+    let ds = find(&objs, "DaemonSet", "ramify-node-agent");
+    assert_eq!(ds["spec"]["template"]["spec"]["hostNetwork"], true);
+
+    let digest = format!("sha256:{}", "a".repeat(64));
+    let objs = objects(&template(
+        "ramify",
+        "ramify-system",
+        &[
+            "--set",
+            "mode=cluster",
+            "--set",
+            "podImage.repository=registry.example/ramify/pod",
+            "--set",
+            &format!("podImage.digest={digest}"),
+            "--set",
+            "agent.kubeletRootDir=/data/kubelet",
+        ],
+    ));
+    let op = find(&objs, "Deployment", "ramify-operator");
+    let op_args = strings(&op["spec"]["template"]["spec"]["containers"][0]["args"]);
+    let want = format!("--pod-image=registry.example/ramify/pod@{digest}");
+    for want in ["--mode=cluster", want.as_str()] {
+        assert!(
+            op_args.contains(&want),
+            "operator args lack {want}: {op_args:?}"
+        );
+    }
+    let mut verbs = pod_rules(&objs, "ramify-operator");
+    verbs.sort();
+    assert_eq!(verbs, ["create", "delete", "get", "list", "watch"]);
+    let mut verbs = pod_rules(&objs, "ramify-node-agent");
+    verbs.sort();
+    assert_eq!(verbs, ["get", "list", "watch"]);
+    let ds = find(&objs, "DaemonSet", "ramify-node-agent");
+    let spec = &ds["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"], true, "egress rules must be the node's");
+    let args = strings(&spec["containers"][0]["args"]);
+    for want in ["--mode=cluster", "--kubelet-root-dir=/data/kubelet"] {
+        assert!(args.contains(&want), "agent args lack {want}: {args:?}");
+    }
+    assert!(!args.iter().any(|a| a.starts_with("--bridge")), "{args:?}");
+    let vol = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "kubelet-root")
+        .expect("the kubelet root volume");
+    assert_eq!(vol["hostPath"]["path"], "/data/kubelet");
+    let mount = spec["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "kubelet-root")
+        .expect("the kubelet root mount");
+    assert_eq!(mount["mountPath"], "/data/kubelet");
+    assert_eq!(mount["mountPropagation"], "HostToContainer");
+}
+
 /// `objectStore` unset (the embedded default): no object store flag, no Secret mounted.
 /// Set: the agent's flags name it, and the credentials Secret is mounted read-only
 /// where `--object-store-credentials-dir` points; a bucket is required.
@@ -695,8 +771,15 @@ async fn rendered_chart_is_accepted_by_the_apiserver() {
     let cp = control_plane().await;
     let client = cp.client().await.unwrap();
     let ns = TestNamespace::create(&client, "chart").await.unwrap();
-    let variants: [&[&str]; 3] = [
+    let variants: [&[&str]; 4] = [
         &[],
+        // Cluster mode.
+        &[
+            "--set",
+            "mode=cluster",
+            "--set",
+            "podImage.digest=sha256:0000000000000000000000000000000000000000000000000000000000000000",
+        ],
         // Every other value set.
         &[
             "--set",

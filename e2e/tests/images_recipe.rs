@@ -251,7 +251,7 @@ fn dockerfile_and_the_docker_free_build_list_the_same_contents() {
     // Not vacuous: the images and their essentials are there on both sides.
     assert_eq!(
         builder.images.keys().collect::<Vec<_>>(),
-        ["api", "node-agent", "operator"]
+        ["api", "node-agent", "operator", "pod"]
     );
     assert!(builder.images["node-agent"].packages.contains("iptables"));
     assert_eq!(

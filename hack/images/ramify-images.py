@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Builds ramify's own images (operator, api, node-agent) as OCI image layouts without
+"""Builds ramify's own images (operator, api, node-agent, pod) as OCI image layouts without
 Docker, reproducibly, with the stdlib only (the layer writer of mkimages.py).
 
     ramify-images.py recipe                  the recipe below as JSON (what the Dockerfile
@@ -19,8 +19,11 @@ The images, as Dockerfile builds them too:
                  debian:bookworm-slim + apt-get install), then runsc (hack/runsc/build.sh,
                  the pinned version snapshots need) and the agent in /usr/local/bin.
                  Root (runsc and the network setup need it), the agent is the entrypoint.
+  pod            the container of a Sandbox's Pod in cluster mode: only the static
+                 ramify-pod at / (no suite, no packages, no trees: FROM scratch), user
+                 65532:65532, the binary is the entrypoint.
 Two layers each (the base, then the binaries), so a new build of ramify only sends the
-small second layer. The binaries must be static (no ELF interpreter): the build refuses
+small second layer; pod has the binaries' layer only. The binaries must be static (no ELF interpreter): the build refuses
 anything else.
 """
 
@@ -44,7 +47,7 @@ RECIPE = {
         "profile": "image",
         "target": "x86_64-unknown-linux-gnu",
         "rustflags": "-C target-feature=+crt-static",
-        "crates": ["ramify-api", "ramify-node-agent", "ramify-operator"],
+        "crates": ["ramify-api", "ramify-node-agent", "ramify-operator", "ramify-pod"],
     },
     "images": {
         "operator": {
@@ -73,6 +76,15 @@ RECIPE = {
             },
             "user": "0:0",
             "entrypoint": ["/usr/local/bin/ramify-node-agent"],
+        },
+        "pod": {
+            # No suite: FROM scratch, nothing but the binary.
+            "suite": "",
+            "packages": [],
+            "trees": [],
+            "binaries": {"/ramify-pod": "ramify-pod"},
+            "user": "65532:65532",
+            "entrypoint": ["/ramify-pod"],
         },
     },
 }
@@ -155,7 +167,8 @@ def build(args):
         key = f"{name}-binaries"
         bins = img["binaries"]
         b.layer(key, lambda bins=bins: parents(bins) + [file_entry(dest, sources[src]) for dest, src in sorted(bins.items())])
-        base = "static-base" if img["trees"] else "debian-base"
+        # A suite names the Debian base; without one the image is its binaries alone.
+        base = [] if not img["suite"] else ["static-base"] if img["trees"] else ["debian-base"]
         config = {
             "Entrypoint": img["entrypoint"],
             "Env": [PATH_ENV],
@@ -164,7 +177,7 @@ def build(args):
             "Labels": {"org.opencontainers.image.title": f"ramify-{name}",
                        "org.opencontainers.image.source": "https://github.com/ramify-dev/ramify"},
         }
-        b.save(f"ramify/{name}:build", lambda lay, key=key, base=base, config=config: b.image(lay, [base, key], config))
+        b.save(f"ramify/{name}:build", lambda lay, key=key, base=base, config=config: b.image(lay, base + [key], config))
     shutil.rmtree(b.layer_dir)
     with open(os.path.join(args.out, "layouts.json"), "wb") as fh:
         fh.write(canonical(b.results))

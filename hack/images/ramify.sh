@@ -3,7 +3,7 @@
 # them; Dockerfile is the same recipe for Docker users) and pushes them to a registry.
 #
 #   hack/images/ramify.sh build           binaries + layouts (cached); prints the layout dir
-#   hack/images/ramify.sh push [TAG...]   build, then push ramify/{operator,api,node-agent}
+#   hack/images/ramify.sh push [TAG...]   build, then push ramify/{operator,api,node-agent,pod}
 #                                         under each TAG (default: the content stamp) to the
 #                                         registry of $RAMIFY_REGISTRY_DIR; writes
 #                                         $RAMIFY_REGISTRY_DIR/ramify-images.json and prints it

@@ -71,6 +71,10 @@ pub enum Error {
     ImageLost { id: String, reason: String },
     #[error("network setup: {0}")]
     Network(String),
+    /// Cluster mode: the Pod a sandbox is to run in cannot be used (no process of it on
+    /// this node, it shares the host's network namespace, its address is unknown).
+    #[error("pod: {0}")]
+    Pod(String),
     #[error("rootfs: {0}")]
     Rootfs(String),
     /// A root filesystem outside what the node's administrator allowed (not inside a
@@ -117,6 +121,7 @@ impl Error {
             Error::CorruptImage { .. } => "corrupt_image",
             Error::ImageLost { .. } => "image_lost",
             Error::Network(_) => "network",
+            Error::Pod(_) => "pod",
             Error::Rootfs(_) => "rootfs",
             Error::RootfsRefused(_) => "rootfs_refused",
             Error::Sandbox { .. } => "sandbox",

@@ -1,7 +1,8 @@
 //! ramify node agent: the only component that touches runsc.
 //!
 //! - [`runsc`]: async driver for the runsc CLI with capability detection.
-//! - [`placement`]: netns, cgroup and egress policy per sandbox ([`placement::Standalone`]).
+//! - [`placement`]: netns, cgroup and egress policy per sandbox ([`placement::Standalone`],
+//!   or a Pod's in cluster mode: [`placement::cluster`]; [`pod_files`] for its console and exit).
 //! - [`engine`]: start, exec, snapshot, fork, warm pools, commit (Full/Paths), abort.
 //! - [`control`]: the `/run/ramify` control mount, parsed defensively.
 //! - [`store`]: snapshot images with sha256, version pinning and TTL.
@@ -29,6 +30,7 @@ pub mod node_release;
 pub mod placement;
 pub mod platform;
 pub mod pod_cgroup;
+pub mod pod_files;
 pub mod private;
 pub mod procfs;
 pub mod reaper;

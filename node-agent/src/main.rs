@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use ramify_crds::capacity::Requests;
+use ramify_crds::pod::Mode;
 use ramify_node_agent::agent::endpoint::{Endpoint, EndpointConfig, local_sandbox};
 use ramify_node_agent::agent::lease::{self, Announcement};
 use ramify_node_agent::agent::metrics::AgentMetrics;
@@ -19,11 +20,12 @@ use ramify_node_agent::agent::registry::Registry;
 use ramify_node_agent::agent::{self, Agent, AgentConfig};
 use ramify_node_agent::capacity as cap;
 use ramify_node_agent::freezer::Look;
-use ramify_node_agent::placement::{Standalone, StandaloneConfig};
+use ramify_node_agent::placement::cluster::{Cluster, ClusterConfig};
+use ramify_node_agent::placement::{Placement, Standalone, StandaloneConfig};
 use ramify_node_agent::roots::RootfsConfig;
 use ramify_node_agent::runsc::{Runsc, RunscConfig};
 use ramify_node_agent::settings::{
-    self, AgentSettings, DEFAULT_CGROUP_PARENT, DEFAULT_ROOTFS_CACHE,
+    self, AgentSettings, DEFAULT_CGROUP_PARENT, DEFAULT_KUBELET_ROOT_DIR, DEFAULT_ROOTFS_CACHE,
 };
 use ramify_node_agent::store::SnapshotStore;
 use ramify_node_agent::{Engine, EngineConfig};
@@ -220,10 +222,15 @@ enum Command {
         /// How many sandboxes this node takes.
         #[arg(long, default_value_t = 64)]
         capacity: u32,
-        /// Placement: `standalone` (this agent creates netns and cgroups). Cluster
-        /// mode (a Pod's netns and cgroup) is not implemented yet.
-        #[arg(long, default_value = "standalone")]
-        mode: String,
+        /// Placement: `standalone` (this agent creates each sandbox's netns and cgroup,
+        /// and admits sandboxes against the node's capacity) or `cluster` (every
+        /// Sandbox runs in its Pod's netns and below its Pod's cgroup; kube-scheduler
+        /// admitted the Pod).
+        #[arg(long, env = "RAMIFY_MODE", default_value = "standalone")]
+        mode: Mode,
+        /// The kubelet's `--root-dir` (cluster mode: the Pods' volumes are below it).
+        #[arg(long, env = "RAMIFY_KUBELET_ROOT_DIR", default_value = DEFAULT_KUBELET_ROOT_DIR)]
+        kubelet_root_dir: PathBuf,
         /// Linux bridge for sandbox networking (standalone).
         #[arg(long, default_value = "ramify0")]
         bridge: String,
@@ -328,6 +335,10 @@ fn parse_memory(q: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{q:?} is not a memory quantity such as 2Gi or 512Mi"))
 }
 
+/// Every sandbox id starts with it (the orphan sweep and cluster mode's Pod process
+/// scan tell sandboxes of ours by it).
+const ID_PREFIX: &str = "ramify-";
+
 async fn engine(
     s: &AgentSettings,
     state_dir: &Path,
@@ -337,14 +348,21 @@ async fn engine(
     // 077 for this process and every one it starts, before anything is created.
     ramify_node_agent::private::restrict_umask();
     ramify_node_agent::private::dir_all(state_dir)?;
-    let placement = Standalone::new(StandaloneConfig {
-        cni_bin_dir: "/usr/lib/cni".into(),
-        bridge: s.bridge.clone(),
-        subnet: s.subnet.clone(),
-        ipam_dir: state_dir.join("ipam"),
-        conf_dir: state_dir.join("cni"),
-        cgroup_parent: s.cgroup_parent.clone(),
-    })?;
+    let placement: Arc<dyn Placement> = match s.mode {
+        Mode::Standalone => Arc::new(Standalone::new(StandaloneConfig {
+            cni_bin_dir: "/usr/lib/cni".into(),
+            bridge: s.bridge.clone(),
+            subnet: s.subnet.clone(),
+            ipam_dir: state_dir.join("ipam"),
+            conf_dir: state_dir.join("cni"),
+            cgroup_parent: s.cgroup_parent.clone(),
+        })?),
+        Mode::Cluster => Arc::new(Cluster::new(ClusterConfig {
+            kubelet_root: s.kubelet_root_dir.clone(),
+            proc_root: "/proc".into(),
+            id_prefix: ID_PREFIX.into(),
+        })),
+    };
     Ok(Engine::new(
         EngineConfig {
             state_dir: state_dir.join("engine"),
@@ -354,7 +372,7 @@ async fn engine(
                 // The whole agent state (registry, IPAM, settings), not only the engine's.
                 protected: vec![state_dir.to_path_buf()],
             },
-            id_prefix: "ramify-".into(),
+            id_prefix: ID_PREFIX.into(),
             id_owner: owner,
             runsc: RunscConfig {
                 binary: s.runsc.clone(),
@@ -363,7 +381,7 @@ async fn engine(
             },
             exec_timeout: Duration::from_secs(600),
         },
-        Arc::new(placement),
+        placement,
     )
     .await?)
 }
@@ -389,6 +407,8 @@ async fn local_engine(
                 cgroup_parent: DEFAULT_CGROUP_PARENT.into(),
                 rootfs_roots: Vec::new(),
                 rootfs_cache: settings::default_rootfs_cache(),
+                mode: Mode::Standalone,
+                kubelet_root_dir: DEFAULT_KUBELET_ROOT_DIR.into(),
             }
         }
     };
@@ -447,6 +467,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             metrics_addr,
             capacity,
             mode,
+            kubelet_root_dir,
             bridge,
             subnet,
             cgroup_parent,
@@ -460,9 +481,6 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             object_store,
         } => {
             ramify_runtime::logging::init(log_json);
-            if mode != "standalone" {
-                anyhow::bail!("--mode {mode}: only standalone placement is implemented");
-            }
             let CapacityArgs {
                 reserve_cpu,
                 reserve_memory,
@@ -484,7 +502,11 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let max_restores = max_concurrent_restores
                 .unwrap_or_else(|| cap::default_max_restores(&node_capacity))
                 .max(1);
-            cap::apply_ceiling(&cgroup_parent, &allocatable)?;
+            // The ceiling is standalone's: in cluster mode every sandbox counts in its
+            // Pod's cgroup, which the kubelet limits.
+            if mode == Mode::Standalone {
+                cap::apply_ceiling(&cgroup_parent, &allocatable)?;
+            }
             if leave_pod_cgroup {
                 let moved = ramify_node_agent::pod_cgroup::leave_pod_cgroup(&cgroup_parent)?;
                 info!(cgroups = ?moved, "left the Pod's cgroup in the hierarchies runsc does not manage");
@@ -494,7 +516,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 memory = %Requests::memory_text(allocatable.memory_bytes),
                 max_restores,
                 cgroup_parent = %cgroup_parent,
-                "sandbox allocatable (node capacity minus the reserve), set as the ceiling of the sandboxes' parent cgroup"
+                %mode,
+                ceiling = mode == Mode::Standalone,
+                "sandbox allocatable (node capacity minus the reserve); standalone mode sets it as the ceiling of the sandboxes' parent cgroup"
             );
             let mut settings = AgentSettings {
                 runsc: std::fs::canonicalize(&cli.runsc).unwrap_or_else(|_| cli.runsc.clone()),
@@ -504,6 +528,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 cgroup_parent: cgroup_parent.clone(),
                 rootfs_roots: rootfs.roots.clone(),
                 rootfs_cache: rootfs.cache.clone(),
+                mode,
+                kubelet_root_dir: kubelet_root_dir.clone(),
             };
             let engine = engine(&settings, &state.state_dir, Some("node".into())).await?;
             let snapshot_store_quota = match snapshot_store_quota {
@@ -556,6 +582,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 engine,
                 AgentConfig {
                     node: node_name,
+                    mode,
+                    kubelet_root_dir: kubelet_root_dir.clone(),
                     system_namespace,
                     allocatable,
                     max_restores,

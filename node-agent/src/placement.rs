@@ -2,7 +2,11 @@
 //!
 //! `Placement` is the seam between the engine and the node: standalone mode (here)
 //! creates a netns per sandbox with the CNI bridge + host-local plugins and owns it;
-//! cluster mode will hand back a Pod's netns and cgroup parent instead.
+//! cluster mode ([`cluster`]) hands back a Pod's netns and a cgroup below the Pod's.
+
+pub mod cluster;
+pub(crate) mod egress;
+pub mod pod_proc;
 
 use std::fmt::Debug;
 use std::net::Ipv4Addr;
@@ -16,6 +20,7 @@ use tracing::{instrument, warn};
 
 use crate::cmd::Cmd;
 use crate::error::{Error, Result};
+use egress::HostGuard;
 
 /// An IPv4 network in CIDR form (a bare address means /32).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,6 +62,9 @@ pub struct PlacementRequest {
     pub id: String,
     /// Egress allowlist; empty means deny all egress.
     pub egress_allow: Vec<Cidr>,
+    /// Cluster mode: the UID of the Pod the sandbox runs in (`None` in standalone mode,
+    /// and for a warm pool's branches, which have no Pod).
+    pub pod_uid: Option<String>,
 }
 
 /// The sandbox's IPv4 address inside its netns.
@@ -76,13 +84,29 @@ pub struct Placed {
     pub address: Option<Address>,
     pub host_veth: Option<String>,
     pub chain: Option<String>,
+    /// Cluster mode: the Pod it runs in. Its netns and cgroup are the Pod's, never
+    /// deleted with the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodPlaced>,
+}
+
+/// The Pod a sandbox was placed in (cluster mode).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodPlaced {
+    pub uid: String,
+    /// The Pod's `emptyDir` on this host (`ramify_crds::pod::pod_volume_on_host`): the
+    /// console log and the exit code go there.
+    pub volume: PathBuf,
 }
 
 pub trait Placement: Send + Sync + Debug {
     /// Create (or look up) the netns, cgroup parent and network policy for a sandbox.
     fn place<'a>(&'a self, req: &'a PlacementRequest) -> BoxFuture<'a, Result<Placed>>;
-    /// Called before every runsc run/restore into this placement.
-    fn before_start<'a>(&'a self, placed: &'a Placed) -> BoxFuture<'a, Result<()>>;
+    /// Called before every runsc run/restore into this placement: eth0's address and
+    /// default route are put back (see [`put_back_address`]).
+    fn before_start<'a>(&'a self, placed: &'a Placed) -> BoxFuture<'a, Result<()>> {
+        Box::pin(put_back_address(placed))
+    }
     /// Undo `place`. Best effort on every step; the first error is returned.
     fn release<'a>(&'a self, placed: &'a Placed) -> BoxFuture<'a, Result<()>>;
     /// Cgroup path prefix under which sandboxes live (for cleanup checks).
@@ -125,6 +149,86 @@ pub(crate) fn delete_listed_rule(line: &str) -> Option<Cmd> {
 /// Where `ip netns` keeps the named network namespace of sandbox `id`.
 fn netns_path(id: &str) -> PathBuf {
     Path::new("/run/netns").join(id)
+}
+
+/// Removes the name `ip netns` gave a network namespace (a bind mount; the namespace
+/// itself lives on while anything is in it). A name already gone is what was wanted: a
+/// retry after a failed teardown must not fail on that for ever.
+pub(crate) async fn delete_netns(id: &str) -> Result<()> {
+    let deleted = Cmd::new("ip")
+        .args(["netns", "delete", id])
+        .run()
+        .await
+        .map(|_| ());
+    deleted.or_else(|e| {
+        if netns_path(id).exists() {
+            Err(e)
+        } else {
+            Ok(())
+        }
+    })
+}
+
+/// Puts eth0's address and default route back in the sandbox's netns: runsc moves
+/// eth0's addresses into its netstack and deletes them from the netns, and a restore
+/// into the same netns (snapshot of a live sandbox, a resume) must find them again.
+pub(crate) async fn put_back_address(placed: &Placed) -> Result<()> {
+    let (Some(ns), Some(a)) = (&placed.netns, &placed.address) else {
+        return Ok(());
+    };
+    // One `ip` process for all three steps; it stops at the first that fails.
+    let mut batch = format!(
+        "link set eth0 up\naddr replace {}/{} dev eth0\n",
+        a.ip, a.prefix
+    );
+    if let Some(gw) = a.gateway {
+        batch.push_str(&format!("route replace default via {gw} dev eth0\n"));
+    }
+    Cmd::new("nsenter")
+        .arg(format!("--net={}", ns.display()))
+        .args(["--", "ip", "-batch", "-"])
+        .stdin_bytes(batch)
+        .run()
+        .await?;
+    Ok(())
+}
+
+/// The first error of best-effort steps (each is logged as it happens).
+#[derive(Default)]
+pub(crate) struct FirstError(Option<Error>);
+
+impl FirstError {
+    pub(crate) fn note(&mut self, r: Result<()>) {
+        if let Err(e) = r {
+            warn!(error = %e, "release step failed");
+            self.0.get_or_insert(e);
+        }
+    }
+
+    pub(crate) fn result(self) -> Result<()> {
+        match self.0 {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `placed` once its setup (`setup`) succeeded; otherwise the half-made placement is
+/// undone and the setup's own error returned.
+pub(crate) async fn placed_or_undone(
+    p: &dyn Placement,
+    placed: Placed,
+    setup: Result<()>,
+) -> Result<Placed> {
+    match setup {
+        Ok(()) => Ok(placed),
+        Err(e) => {
+            if let Err(e2) = p.release(&placed).await {
+                warn!(error = %e2, "cleanup after failed placement");
+            }
+            Err(e)
+        }
+    }
 }
 
 /// iptables chain name for a sandbox: short (<= 28 chars) and stable.
@@ -219,15 +323,11 @@ impl Standalone {
         Ok(Standalone { cfg, netconf })
     }
 
-    fn netns_path(id: &str) -> PathBuf {
-        Path::new("/run/netns").join(id)
-    }
-
     fn cni(&self, command: &str, id: &str) -> Cmd {
         Cmd::new(self.cfg.cni_bin_dir.join("bridge"))
             .env("CNI_COMMAND", command)
             .env("CNI_CONTAINERID", id)
-            .env("CNI_NETNS", Self::netns_path(id))
+            .env("CNI_NETNS", netns_path(id))
             .env("CNI_IFNAME", "eth0")
             .env("CNI_PATH", &self.cfg.cni_bin_dir)
             .stdin_file(&self.netconf)
@@ -255,13 +355,8 @@ impl Standalone {
         }
     }
 
-    fn ipt() -> Cmd {
-        // -w: wait for the xtables lock; parallel sandboxes configure concurrently.
-        Cmd::new("iptables").arg("-w").arg("5")
-    }
-
     async fn place_inner(&self, req: &PlacementRequest, placed: &mut Placed) -> Result<()> {
-        let ns = Self::netns_path(&req.id);
+        let ns = netns_path(&req.id);
         Cmd::new("ip")
             .args(["netns", "add", req.id.as_str()])
             .run()
@@ -294,78 +389,14 @@ impl Standalone {
                 .run()
                 .await?;
         }
-        // gVisor's netstack sends through a packet socket on eth0, which bypasses
-        // netfilter inside the netns, so egress is filtered on the host side, keyed by
-        // the sandbox's address.
-        // One iptables-restore transaction: the chain and its two jumps appear
-        // together or not at all (and cost one process, not one per rule).
-        let chain = chain_name(&req.id);
-        let mut batch = vec![
-            format!(":{chain} - [0:0]"),
-            format!("-A {chain} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"),
-        ];
-        for c in &req.egress_allow {
-            batch.push(format!("-A {chain} -d {c} -j ACCEPT"));
-        }
-        batch.push(format!("-A {chain} -j DROP"));
-        for (hook, rule) in self.rules(&req.id, &addr, &chain) {
-            batch.push(format!("-I {hook} 1 {}", rule.join(" ")));
-        }
-        Self::ipt_batch(&batch).run().await?;
-        placed.chain = Some(chain);
+        placed.chain =
+            Some(egress::install(&req.id, addr.ip, &req.egress_allow, &self.guard()).await?);
         Ok(())
     }
 
-    /// `iptables-restore` of `lines` into the filter table as one transaction, leaving
-    /// every other rule alone.
-    fn ipt_batch(lines: &[String]) -> Cmd {
-        let mut input = String::from("*filter\n");
-        for l in lines {
-            input.push_str(l);
-            input.push('\n');
-        }
-        input.push_str("COMMIT\n");
-        Cmd::new("iptables-restore")
-            .args(["-w", "5", "--noflush"])
-            .stdin_bytes(input)
-    }
-
-    /// The rules a placement inserts, as (hook, rule spec), tagged with the sandbox id
-    /// so that release and the orphan sweep find them.
-    ///
-    /// FORWARD: everything the sandbox sends off this node goes through its egress
-    /// chain (the allowlist). INPUT: the host itself is never a destination, whatever
-    /// the allowlist says (`0.0.0.0/0` must not open the API server, the agent or
-    /// anything else listening here): new connections arriving from the bridge are
-    /// dropped; only replies to connections the host opened pass. Keyed on the bridge
-    /// rather than the sandbox's address, so a forged source address does not escape
-    /// it. Each sandbox carries its own copy, so the rule lives exactly as long as some
-    /// sandbox is on the bridge and is removed like the other rules.
-    fn rules(&self, id: &str, addr: &Address, chain: &str) -> [(&'static str, Vec<String>); 2] {
-        let comment = vec![
-            "-m".to_string(),
-            "comment".into(),
-            "--comment".into(),
-            format!("ramify:{id}"),
-        ];
-        let mut input = vec!["-i".to_string(), self.cfg.bridge.clone()];
-        input.extend(comment.iter().cloned());
-        input.extend(
-            [
-                "-m",
-                "conntrack",
-                "!",
-                "--ctstate",
-                "ESTABLISHED,RELATED",
-                "-j",
-                "DROP",
-            ]
-            .map(String::from),
-        );
-        let mut forward = vec!["-s".to_string(), format!("{}/32", addr.ip)];
-        forward.extend(comment);
-        forward.extend(["-j".to_string(), chain.to_string()]);
-        [("INPUT", input), ("FORWARD", forward)]
+    /// New connections from the bridge to the host are dropped (see [`egress`]).
+    fn guard(&self) -> HostGuard {
+        HostGuard::Bridge(self.cfg.bridge.clone())
     }
 
     /// The host has no IPv6 business with sandboxes (the egress allowlist is IPv4),
@@ -413,125 +444,32 @@ impl Placement for Standalone {
                 address: None,
                 host_veth: None,
                 chain: None,
+                pod: None,
             };
-            if let Err(e) = self.place_inner(req, &mut placed).await {
-                // Undo the half-made placement; report the original error.
-                if let Err(e2) = self.release(&placed).await {
-                    warn!(error = %e2, "cleanup after failed placement");
-                }
-                return Err(e);
-            }
-            Ok(placed)
-        })
-    }
-
-    fn before_start<'a>(&'a self, placed: &'a Placed) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            // runsc moves eth0's addresses into its netstack and deletes them from the
-            // netns. A restore into the same netns (snapshot of a live sandbox) must
-            // find them again, so put them back every time.
-            let (Some(ns), Some(a)) = (&placed.netns, &placed.address) else {
-                return Ok(());
-            };
-            // One `ip` process for all three steps; it stops at the first that fails.
-            let mut batch = format!(
-                "link set eth0 up\naddr replace {}/{} dev eth0\n",
-                a.ip, a.prefix
-            );
-            if let Some(gw) = a.gateway {
-                batch.push_str(&format!("route replace default via {gw} dev eth0\n"));
-            }
-            Cmd::new("nsenter")
-                .arg(format!("--net={}", ns.display()))
-                .args(["--", "ip", "-batch", "-"])
-                .stdin_bytes(batch)
-                .run()
-                .await?;
-            Ok(())
+            let setup = self.place_inner(req, &mut placed).await;
+            placed_or_undone(self, placed, setup).await
         })
     }
 
     #[instrument(skip(self, placed), fields(id = %placed.id))]
     fn release<'a>(&'a self, placed: &'a Placed) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let mut first: Option<Error> = None;
-            let mut note = |r: Result<()>| {
-                if let Err(e) = r {
-                    warn!(error = %e, "release step failed");
-                    first.get_or_insert(e);
-                }
-            };
-            // The usual case in one transaction: both jumps and the chain exist.
-            let batched = match (&placed.chain, &placed.address) {
-                (Some(chain), Some(a)) => {
-                    let mut batch: Vec<String> = self
-                        .rules(&placed.id, a, chain)
-                        .into_iter()
-                        .map(|(hook, rule)| format!("-D {hook} {}", rule.join(" ")))
-                        .collect();
-                    batch.push(format!("-F {chain}"));
-                    batch.push(format!("-X {chain}"));
-                    Self::ipt_batch(&batch).run().await.is_ok()
-                }
-                _ => false,
-            };
-            // Otherwise step by step, from what is there: every rule tagged with this
-            // sandbox's id, whatever its form (an older agent's, or a half-made
-            // placement whose address was never recorded), then the chain if it exists.
-            if let Some(chain) = placed.chain.as_ref().filter(|_| !batched) {
-                match Self::ipt().arg("-S").run().await {
-                    Ok(listing) => {
-                        let listing = listing.stdout_str();
-                        let tag = format!("\"ramify:{}\"", placed.id);
-                        for line in listing.lines().filter(|l| l.contains(&tag)) {
-                            if let Some(delete) = delete_listed_rule(line) {
-                                note(delete.run().await.map(|_| ()));
-                            }
-                        }
-                        if listing.lines().any(|l| l == format!("-N {chain}")) {
-                            note(
-                                Self::ipt()
-                                    .args(["-F", chain.as_str()])
-                                    .run()
-                                    .await
-                                    .map(|_| ()),
-                            );
-                            note(
-                                Self::ipt()
-                                    .args(["-X", chain.as_str()])
-                                    .run()
-                                    .await
-                                    .map(|_| ()),
-                            );
-                        }
-                    }
-                    Err(e) => note(Err(e)),
-                }
-            }
+            let mut first = FirstError::default();
+            first.note(egress::remove(placed, &self.guard()).await);
             // CNI DEL releases the IP lease and deletes the veth pair. Also for a
             // half-made placement: DEL of what was never added, or of a netns that is
             // gone, is a no-op for the plugins, and a lease must not outlive its owner.
-            note(self.cni_del(&placed.id).await);
+            // Never for a Pod's netns (a cluster-mode sandbox met by a standalone agent):
+            // DEL would delete the Pod's own eth0.
+            if placed.pod.is_none() {
+                first.note(self.cni_del(&placed.id).await);
+            }
             // Only while it exists: a retry after a failed teardown (a process slow to
             // die under load) finds it gone, and must not fail on that for ever.
             if placed.netns.is_some() && netns_path(&placed.id).exists() {
-                let deleted = Cmd::new("ip")
-                    .args(["netns", "delete", placed.id.as_str()])
-                    .run()
-                    .await
-                    .map(|_| ());
-                note(deleted.or_else(|e| {
-                    if netns_path(&placed.id).exists() {
-                        Err(e)
-                    } else {
-                        Ok(()) // removed meanwhile: what was wanted
-                    }
-                }));
+                first.note(delete_netns(&placed.id).await);
             }
-            match first {
-                Some(e) => Err(e),
-                None => Ok(()),
-            }
+            first.result()
         })
     }
 

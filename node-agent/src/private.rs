@@ -44,6 +44,13 @@ pub fn chmod(path: &Path, mode: u32) -> Result<()> {
 /// Writes `bytes` to `path` through a temporary file created 0600 in the same
 /// directory, then renames it into place (readers never see a half-written file).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_mode(path, bytes, FILE_MODE)
+}
+
+/// [`write_atomic`] with the file's `mode`, set on the open file whatever the umask
+/// (a file shared with another user, such as a Pod's). The temporary file is created
+/// exclusively, so a name planted in the directory is never written through.
+pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -53,8 +60,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let mut f = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(FILE_MODE)
+            .mode(mode)
             .open(&tmp)?;
+        if mode != FILE_MODE {
+            f.set_permissions(fs::Permissions::from_mode(mode))?;
+        }
         f.write_all(bytes)
     })();
     if let Err(e) = written {

@@ -456,10 +456,26 @@ impl Runsc {
         argv: &[String],
         env: &[(String, String)],
     ) -> Result<Cmd> {
+        self.exec_cmd_as(ctx, argv, env, None)
+    }
+
+    /// [`Runsc::exec_cmd`] as `user` (`uid[:gid]` inside the sandbox) instead of the
+    /// workload's own user.
+    pub fn exec_cmd_as(
+        &self,
+        ctx: &SandboxCtx,
+        argv: &[String],
+        env: &[(String, String)],
+        user: Option<&str>,
+    ) -> Result<Cmd> {
         if argv.is_empty() {
             return Err(Error::Invalid("exec needs a command".into()));
         }
         let mut sub: Vec<OsString> = vec!["exec".into()];
+        if let Some(u) = user {
+            sub.push("--user".into());
+            sub.push(u.into());
+        }
         for (k, v) in env {
             sub.push("--env".into());
             sub.push(format!("{k}={v}").into());

@@ -32,6 +32,19 @@ pub struct AgentSettings {
     pub rootfs_roots: Vec<PathBuf>,
     #[serde(default = "default_rootfs_cache")]
     pub rootfs_cache: PathBuf,
+    /// Standalone or cluster placement: a local subcommand releases a sandbox the way
+    /// it was placed (a cluster-mode netns is a Pod's, never CNI-deleted).
+    #[serde(default)]
+    pub mode: ramify_crds::pod::Mode,
+    #[serde(default = "default_kubelet_root_dir")]
+    pub kubelet_root_dir: PathBuf,
+}
+
+/// The kubelet's `--root-dir` when none is configured.
+pub const DEFAULT_KUBELET_ROOT_DIR: &str = "/var/lib/kubelet";
+
+pub fn default_kubelet_root_dir() -> PathBuf {
+    DEFAULT_KUBELET_ROOT_DIR.into()
 }
 
 /// Where OCI layouts named by RootfsClasses are unpacked when no cache is configured.
@@ -78,6 +91,8 @@ mod tests {
             cgroup_parent: "/custom".into(),
             rootfs_roots: vec!["/roots".into()],
             rootfs_cache: "/cache".into(),
+            mode: ramify_crds::pod::Mode::Cluster,
+            kubelet_root_dir: "/k".into(),
         }
     }
 
@@ -93,7 +108,14 @@ mod tests {
             r#"{"runsc":"/r","platform":"ptrace","bridge":"b","subnet":"10.1.0.0/16"}"#,
         )
         .unwrap();
-        assert_eq!(load(d.path()).unwrap().unwrap().cgroup_parent, "/ramify");
+        let old = load(d.path()).unwrap().unwrap();
+        assert_eq!(old.cgroup_parent, "/ramify");
+        // ... and an agent from before cluster mode was standalone.
+        assert_eq!(old.mode, ramify_crds::pod::Mode::Standalone);
+        assert_eq!(
+            old.kubelet_root_dir,
+            PathBuf::from(DEFAULT_KUBELET_ROOT_DIR)
+        );
     }
 
     #[test]

@@ -446,6 +446,7 @@ async fn orphan_sweep_removes_every_rule_of_a_dead_owners_placement() {
         .place(&PlacementRequest {
             id: id.clone(),
             egress_allow: vec!["0.0.0.0/0".parse().unwrap()],
+            pod_uid: None,
         })
         .await
         .unwrap();
@@ -532,6 +533,7 @@ async fn release_removes_the_input_jump_of_a_placement_made_by_an_older_agent() 
         .place(&PlacementRequest {
             id: id.clone(),
             egress_allow: vec![],
+            pod_uid: None,
         })
         .await
         .unwrap();
@@ -663,6 +665,7 @@ async fn release_of_a_half_made_placement_removes_its_rules_and_frees_its_addres
         .place(&PlacementRequest {
             id: id.clone(),
             egress_allow: vec![],
+            pod_uid: None,
         })
         .await
         .unwrap();

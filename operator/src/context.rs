@@ -3,11 +3,12 @@
 
 use std::sync::Mutex;
 
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::Client;
 use kube::core::DeserializeGuard;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
+use ramify_crds::pod::Mode;
 use ramify_crds::{Sandbox, Snapshot};
 
 use crate::metrics::Metrics;
@@ -20,9 +21,13 @@ use crate::metrics::Metrics;
 pub struct Cache {
     pub sandboxes: Store<DeserializeGuard<Sandbox>>,
     pub snapshots: Store<DeserializeGuard<Snapshot>>,
+    /// Cluster mode: the Sandboxes' Pods (those labelled with a Sandbox's UID); empty
+    /// and never synced in standalone mode, which watches no Pods.
+    pub pods: Store<DeserializeGuard<Pod>>,
     /// Set once each store holds its first full list. (Our own signal: a store's
     /// `wait_until_ready` wakes only one of several concurrent waiters.)
     synced: [tokio::sync::watch::Receiver<bool>; 2],
+    pods_synced: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The write side of [`Cache`], driven by the watches in `run_controllers`.
@@ -35,6 +40,10 @@ pub struct CacheWriters {
         Writer<DeserializeGuard<Snapshot>>,
         tokio::sync::watch::Sender<bool>,
     ),
+    pub pods: (
+        Writer<DeserializeGuard<Pod>>,
+        tokio::sync::watch::Sender<bool>,
+    ),
 }
 
 impl Cache {
@@ -43,15 +52,20 @@ impl Cache {
         let (snapshots, nw) = reflector::store();
         let (sandboxes_synced, sr) = tokio::sync::watch::channel(false);
         let (snapshots_synced, nr) = tokio::sync::watch::channel(false);
+        let (pods, pw) = reflector::store();
+        let (pods_synced, pr) = tokio::sync::watch::channel(false);
         (
             Cache {
                 sandboxes,
                 snapshots,
+                pods,
                 synced: [sr, nr],
+                pods_synced: pr,
             },
             CacheWriters {
                 sandboxes: (sw, sandboxes_synced),
                 snapshots: (nw, snapshots_synced),
+                pods: (pw, pods_synced),
             },
         )
     }
@@ -66,6 +80,23 @@ impl Cache {
                 .map_err(|e| crate::error::Error::Cache(e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// Cluster mode: waits for the first full list of the Sandboxes' Pods (never
+    /// returns in standalone mode, which watches none).
+    pub async fn pods_synced(&self) -> crate::error::Result<()> {
+        self.pods_synced
+            .clone()
+            .wait_for(|synced| *synced)
+            .await
+            .map_err(|e| crate::error::Error::Cache(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Cluster mode: the cached Pod `ns/name`.
+    pub fn pod(&self, ns: &str, name: &str) -> Option<Pod> {
+        let key = ObjectRef::new(name).within(ns);
+        self.pods.get(&key)?.0.as_ref().ok().cloned()
     }
 
     pub fn sandbox(&self, ns: &str, name: &str) -> Option<Sandbox> {
@@ -127,6 +158,12 @@ pub struct Settings {
     /// After a node agent's lease has been dead this long, its objects' finalizers are
     /// released so deletions do not hang forever (the agent sweeps orphans on return).
     pub node_lost_grace: std::time::Duration,
+    /// Standalone: sandboxes are bound by the node agents' capacity. Cluster: every
+    /// Sandbox gets a Pod ([`crate::pod`]) and is bound to the node kube-scheduler
+    /// places it on.
+    pub mode: Mode,
+    /// Cluster mode: the image of `ramify-pod`, the container of every Sandbox's Pod.
+    pub pod_image: Option<String>,
 }
 
 impl Default for Settings {
@@ -134,6 +171,8 @@ impl Default for Settings {
         Self {
             system_namespace: "ramify-system".into(),
             node_lost_grace: std::time::Duration::from_secs(300),
+            mode: Mode::Standalone,
+            pod_image: None,
         }
     }
 }

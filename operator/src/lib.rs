@@ -14,6 +14,7 @@ pub mod leader;
 pub mod metrics;
 pub mod nodes;
 pub mod plan;
+pub mod pod;
 pub mod sandbox;
 pub mod self_fork;
 pub mod snapshot;
@@ -25,6 +26,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::Api;
 use kube::core::DeserializeGuard;
@@ -33,6 +35,7 @@ use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
+use ramify_crds::pod::{LABEL_SANDBOX_UID, Mode};
 use ramify_crds::{BranchSet, FINALIZER_NODE_CLEANUP, Sandbox, Snapshot};
 use tracing::{info, warn};
 
@@ -213,7 +216,27 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         writers.snapshots,
     );
 
-    let sandboxes = Controller::for_stream(sbx_for_sandboxes, ctx.cache.sandboxes.clone())
+    // Cluster mode: the Sandboxes' Pods (only those: by the label ramify gives them),
+    // cached for the binding and waking their Sandbox on every change (scheduled, an
+    // IP, deleted). Standalone mode watches no Pods (and needs no RBAC on them).
+    let (pod_watch, pods_owned) = if ctx.settings.mode == Mode::Cluster {
+        let (drive, [owned]) = fan_out(
+            Api::<DeserializeGuard<Pod>>::all(client.clone()),
+            cfg.clone().labels(LABEL_SANDBOX_UID),
+            writers.pods,
+        );
+        (futures::future::Either::Left(drive), Some(owned))
+    } else {
+        (
+            futures::future::Either::Right(futures::future::pending()),
+            None,
+        )
+    };
+    let mut sandbox_ctl = Controller::for_stream(sbx_for_sandboxes, ctx.cache.sandboxes.clone());
+    if let Some(owned) = pods_owned {
+        sandbox_ctl = sandbox_ctl.owns_stream(owned);
+    }
+    let sandboxes = sandbox_ctl
         .shutdown_on_signal()
         .run(
             backoff::guarded(sandbox::CONTROLLER, sandbox::reconcile),
@@ -282,7 +305,7 @@ pub async fn run_controllers(ctx: Arc<Context>) {
     // The shared watches never end on their own; the controllers end on shutdown.
     tokio::select! {
         _ = async { tokio::join!(sandboxes, snapshots, branchsets) } => {}
-        _ = async { tokio::join!(sandbox_watch, snapshot_watch) } => {}
+        _ = async { tokio::join!(sandbox_watch, snapshot_watch, pod_watch) } => {}
         () = gauges::sweep_forever(&ctx, store_for_gauges) => {}
     }
 }

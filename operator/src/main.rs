@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use ramify_crds::pod::Mode;
 use ramify_operator::context::{Context, Settings};
 use ramify_operator::leader::{self, LeaderConfig};
 use ramify_operator::metrics::Metrics;
@@ -34,6 +35,14 @@ struct Args {
     /// Seconds a node agent may be gone before deletions stop waiting for it.
     #[arg(long, default_value_t = 300)]
     node_lost_grace_seconds: u64,
+    /// Where sandboxes run: `standalone` (bound to node agents by their announced
+    /// capacity) or `cluster` (every Sandbox backed by a Pod kube-scheduler places).
+    #[arg(long, env = "RAMIFY_MODE", default_value = "standalone")]
+    mode: Mode,
+    /// Cluster mode: the image of `ramify-pod`, the one container of every Sandbox's
+    /// Pod (for example registry.example/ramify/pod@sha256:...). Required in cluster mode.
+    #[arg(long, env = "RAMIFY_POD_IMAGE")]
+    pod_image: Option<String>,
     /// Log as JSON.
     #[arg(long, env = "RAMIFY_LOG_JSON", default_value_t = false)]
     log_json: bool,
@@ -42,6 +51,13 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let pod_image = args.pod_image.clone().filter(|i| !i.trim().is_empty());
+    if args.mode == Mode::Cluster && pod_image.is_none() {
+        anyhow::bail!(
+            "--mode cluster needs --pod-image (env RAMIFY_POD_IMAGE): the ramify/pod image \
+             every Sandbox's Pod runs"
+        );
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     if args.log_json {
@@ -70,6 +86,8 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings {
         system_namespace: args.system_namespace.clone(),
         node_lost_grace: Duration::from_secs(args.node_lost_grace_seconds),
+        mode: args.mode,
+        pod_image,
     };
     let ctx = Arc::new(Context::new(
         client.clone(),

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::Api;
+use kube::api::{Api, PostParams};
 use kube::core::DeserializeGuard;
 use kube::core::object::HasStatus;
 use kube::runtime::controller::Action;
@@ -14,9 +15,10 @@ use kube::{Resource, ResourceExt};
 use ramify_crds::capacity::{
     CONDITION_SCHEDULED, REASON_EXCEEDS_ALLOCATABLE, REASON_WAITING_FOR_CAPACITY,
 };
+use ramify_crds::pod::{MANAGER_OPERATOR_POD, Mode, REASON_POD_REFUSED, REASON_UNSCHEDULABLE};
 use ramify_crds::{
-    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Sandbox, SandboxPhase,
-    SnapshotPhase,
+    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, PodRef, Sandbox,
+    SandboxPhase, SnapshotPhase,
 };
 use serde_json::json;
 use tracing::instrument;
@@ -65,11 +67,15 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         return Ok(Action::await_change());
     }
     if status.node_name.is_some() {
+        if ctx.settings.mode == Mode::Cluster {
+            refresh_pod(sbx, &api, ctx).await?;
+        }
         crate::self_fork::serve(sbx, ctx).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     }
 
-    // Bind: explicit node, else the node holding the snapshot, else the freest node.
+    // Bind: explicit node, else the node holding the snapshot, else the freest node
+    // (cluster mode: the node kube-scheduler places the Sandbox's Pod on).
     let node = if let Some(node) = &sbx.spec.node_name {
         node.clone()
     } else if let Some(restore) = &sbx.spec.restore_from {
@@ -81,7 +87,7 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
                 ctx,
                 "SnapshotNotFound",
                 format!("snapshot {} not found", restore.snapshot),
-                false,
+                Some(WAIT_RETRY),
             )
             .await;
         };
@@ -99,7 +105,7 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
                         "snapshot {} is {:?}; the sandbox is not started fresh in its place",
                         restore.snapshot, st.phase
                     ),
-                    true,
+                    None,
                 )
                 .await;
             }
@@ -110,11 +116,13 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
                     ctx,
                     "SnapshotNotReady",
                     format!("waiting for snapshot {}", restore.snapshot),
-                    false,
+                    Some(WAIT_RETRY),
                 )
                 .await;
             }
         }
+    } else if ctx.settings.mode == Mode::Cluster {
+        return bind_to_pod(sbx, &api, ctx, None).await;
     } else {
         let agents = ctx
             .nodes
@@ -143,13 +151,18 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
                         ctx,
                         "NoNodeAgent",
                         "no live node agent with free capacity".into(),
-                        false,
+                        Some(WAIT_RETRY),
                     )
                     .await;
                 }
             },
         }
     };
+    // Cluster mode: the scheduler admits the Pod (pinned to `node`), not the agents'
+    // capacity.
+    if ctx.settings.mode == Mode::Cluster {
+        return bind_to_pod(sbx, &api, ctx, Some(node)).await;
+    }
     // Bind only what fits: the node's sandboxes leave room for its request, and it is
     // next in the fair order. One the node agent already began with is there.
     if !capacity::started(sbx) {
@@ -174,7 +187,20 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
             }
         }
     }
-    let mut conditions = status.conditions.clone();
+    bind(sbx, &api, ctx, &node, binding_guard(sbx).as_deref(), None).await
+}
+
+/// Writes the binding to `node` (`status.nodeName`, `Scheduled` True; in cluster mode
+/// `status.pod` too) and says so in an Event.
+async fn bind(
+    sbx: &Sandbox,
+    api: &Api<Sandbox>,
+    ctx: &Context,
+    node: &str,
+    guard: Option<&str>,
+    pod: Option<PodRef>,
+) -> Result<Action> {
+    let mut conditions = sbx.status.clone().unwrap_or_default().conditions;
     conditions.set_condition(
         Condition::new(
             CONDITION_SCHEDULED,
@@ -185,12 +211,16 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
         ),
         Time(Timestamp::now()),
     );
+    let mut status = json!({"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()});
+    if let Some(pod) = pod {
+        status["pod"] = json!(pod);
+    }
     crate::writes::status(
-        &api,
-        &name,
+        api,
+        &sbx.name_any(),
         ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING,
-        binding_guard(sbx).as_deref(),
-        &json!({"nodeName": node, "conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()}),
+        guard,
+        &status,
     )
     .await?;
     if sbx
@@ -241,24 +271,23 @@ async fn wait_for_capacity(
         Decision::Wait(m) => (REASON_WAITING_FOR_CAPACITY, m),
         Decision::Bind => return Ok(Action::requeue(Duration::from_millis(10))),
     };
-    unschedulable(sbx, api, ctx, reason, message, false).await
+    unschedulable(sbx, api, ctx, reason, message, Some(WAIT_RETRY)).await
 }
 
+/// `Scheduled` False for `reason` (written only when the reason changes, an Event then
+/// too), looked at again after `retry`; `None`: for good, the sandbox fails.
 async fn unschedulable(
     sbx: &Sandbox,
     api: &Api<Sandbox>,
     ctx: &Context,
     reason: &str,
     message: String,
-    fatal: bool,
+    retry: Option<Duration>,
 ) -> Result<Action> {
+    let fatal = retry.is_none();
+    let retry = retry.map_or_else(Action::await_change, Action::requeue);
     let mut conditions = sbx.status.clone().unwrap_or_default().conditions;
     let before = conditions.get_condition(CONDITION_SCHEDULED).cloned();
-    let retry = if fatal {
-        Action::await_change()
-    } else {
-        Action::requeue(Duration::from_secs(2))
-    };
     // Said already: writing it again on every look would be a write per waiting
     // sandbox every two seconds.
     if before
@@ -303,6 +332,136 @@ async fn unschedulable(
         ctx.event(&sbx.object_ref(&()), true, reason, message).await;
     }
     Ok(retry)
+}
+
+/// How soon a sandbox waiting for capacity (or its snapshot) is looked at again, from
+/// the cache.
+const WAIT_RETRY: Duration = Duration::from_secs(2);
+/// How soon a Pod the API server refused is tried again (a ResourceQuota may free).
+const POD_REFUSED_RETRY: Duration = Duration::from_secs(10);
+/// How soon a Sandbox waiting on its Pod is looked at again without a Pod event (each
+/// change of the Pod wakes it anyway).
+const POD_WAIT_RETRY: Duration = Duration::from_secs(30);
+
+/// Cluster mode: binds `sbx` to the node its Pod was scheduled on, creating the Pod
+/// first. `pinned`: the node the Pod must go to (a branch's snapshot's, a
+/// `spec.nodeName`). Until the scheduler places it, `Scheduled` False says why
+/// (refused by the API server, unschedulable), written only when that changes.
+async fn bind_to_pod(
+    sbx: &Sandbox,
+    api: &Api<Sandbox>,
+    ctx: &Context,
+    pinned: Option<String>,
+) -> Result<Action> {
+    let ns = sbx.namespace().unwrap_or_default();
+    let name = ramify_crds::pod::pod_name(&sbx.name_any());
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    ctx.cache.pods_synced().await?;
+    let pod = match ctx.cache.pod(&ns, &name) {
+        Some(pod) => pod,
+        None => {
+            let image = ctx.settings.pod_image.as_deref().ok_or_else(|| {
+                crate::error::Error::Invalid("cluster mode without a pod image".into())
+            })?;
+            let want = crate::pod::build(sbx, image, pinned.as_deref())?;
+            let params = PostParams {
+                field_manager: Some(MANAGER_OPERATOR_POD.into()),
+                ..Default::default()
+            };
+            match pods.create(&params, &want).await {
+                Ok(pod) => pod,
+                // Created by an earlier reconcile the cache has not seen yet (or by
+                // someone else: its owner says).
+                Err(kube::Error::Api(e)) if e.code == 409 => pods.get(&name).await?,
+                // A ResourceQuota (403), a LimitRange or an admission policy (422, 400):
+                // the API server's message names it. Tried again, since quota frees.
+                Err(kube::Error::Api(e)) if matches!(e.code, 400 | 403 | 422) => {
+                    return refused(sbx, api, ctx, e.message).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
+    if !crate::pod::is_of(&pod, sbx) {
+        return refused(
+            sbx,
+            api,
+            ctx,
+            format!("pod {name} exists and is not this Sandbox's"),
+        )
+        .await;
+    }
+    if let Some(node) = crate::pod::node_of(&pod) {
+        // The scheduler's choice is the truth: no resourceVersion guard.
+        let node = node.to_string();
+        return bind(sbx, api, ctx, &node, None, Some(crate::pod::pod_ref(&pod))).await;
+    }
+    match crate::pod::unschedulable(&pod) {
+        Some(message) => {
+            unschedulable(
+                sbx,
+                api,
+                ctx,
+                REASON_UNSCHEDULABLE,
+                message,
+                Some(POD_WAIT_RETRY),
+            )
+            .await
+        }
+        // Not looked at by the scheduler yet: its verdict comes as a Pod event.
+        None => Ok(Action::requeue(POD_WAIT_RETRY)),
+    }
+}
+
+/// `Scheduled` False, reason `PodRefused`, with `message`; tried again shortly.
+async fn refused(
+    sbx: &Sandbox,
+    api: &Api<Sandbox>,
+    ctx: &Context,
+    message: String,
+) -> Result<Action> {
+    unschedulable(
+        sbx,
+        api,
+        ctx,
+        REASON_POD_REFUSED,
+        message,
+        Some(POD_REFUSED_RETRY),
+    )
+    .await
+}
+
+/// Cluster mode, a bound Sandbox: `status.pod` follows its Pod's IP (which the Pod gets
+/// after it was scheduled). Written only when it changed, with every field of the
+/// binding manager.
+async fn refresh_pod(sbx: &Sandbox, api: &Api<Sandbox>, ctx: &Context) -> Result<()> {
+    let status = sbx.status.clone().unwrap_or_default();
+    let (Some(node), Some(known)) = (status.node_name.as_deref(), status.pod.as_ref()) else {
+        return Ok(());
+    };
+    ctx.cache.pods_synced().await?;
+    let ns = sbx.namespace().unwrap_or_default();
+    let Some(pod) = ctx.cache.pod(&ns, &known.name) else {
+        return Ok(());
+    };
+    let now = crate::pod::pod_ref(&pod);
+    if now.uid != known.uid || now.ip.is_none() || now.ip == known.ip {
+        return Ok(());
+    }
+    let scheduled: Vec<_> = status
+        .conditions
+        .iter()
+        .filter(|c| c.type_ == CONDITION_SCHEDULED)
+        .collect();
+    crate::writes::status(
+        api,
+        &sbx.name_any(),
+        ramify_crds::MANAGER_OPERATOR_SANDBOX_BINDING,
+        None,
+        &json!({"nodeName": node, "conditions": scheduled, "pod": now}),
+    )
+    .await?;
+    Ok(())
 }
 
 /// The objects of a cache snapshot that deserialized.

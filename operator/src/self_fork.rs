@@ -120,6 +120,7 @@ mod tests {
                 allow_snapshot_with_secrets: false,
                 self_fork: None,
                 suspended: false,
+                pod: None,
             },
         );
         sbx.metadata.namespace = Some("team".into());

@@ -39,6 +39,11 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{- /* repository@digest when a digest is set, else repository:tag (default: appVersion). */}}
 {{- define "ramify.image" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
 {{- end -}}

@@ -190,7 +190,9 @@ impl Agent {
         let a = &self.admission;
         a.remember_ref(uid, obj);
         let (group, rank, asks) = (group_of(obj), rank_of(obj), obj.spec.requests());
-        if !a.capacity.enter(uid, &group, rank.clone(), asks) {
+        // Cluster mode: kube-scheduler admitted its Pod, whose requests are its own.
+        let scheduled = self.cfg.mode == ramify_crds::pod::Mode::Cluster;
+        if !scheduled && !a.capacity.enter(uid, &group, rank.clone(), asks) {
             self.publish_capacity();
             let limit = a.capacity.limit();
             let (reason, message) = if asks.fits_in(&limit) {
@@ -222,17 +224,23 @@ impl Agent {
     /// Says why a sandbox waits, once per reason, and only when it is bound here (an
     /// unbound branch shows the operator's `Scheduled` condition; writing both would
     /// double the API calls of every waiting branch).
-    async fn note_waiting(&self, obj: &SandboxObj, reason: &str, message: String) {
+    pub(super) async fn note_waiting(&self, obj: &SandboxObj, reason: &str, message: String) {
         let st = obj.status.clone().unwrap_or_default();
         if st.node_name.as_deref() != Some(self.cfg.node.as_str())
             || st
                 .conditions
                 .get_condition(CONDITION_READY)
-                .is_some_and(|c| c.reason == reason)
+                // Said once per reason; a Pod's progress (scheduled, container
+                // creating) is worth saying as it changes.
+                .is_some_and(|c| {
+                    c.reason == reason
+                        && (reason != ramify_crds::pod::REASON_WAITING_FOR_POD
+                            || c.message == message)
+                })
         {
             return;
         }
-        info!(sandbox = %obj.name_any(), %message, "waiting for capacity");
+        info!(sandbox = %obj.name_any(), reason, %message, "waiting");
         // A suspended sandbox waiting to resume stays suspended meanwhile.
         let phase = if st.phase == SandboxPhase::Suspended {
             SandboxPhase::Suspended
@@ -243,7 +251,7 @@ impl Agent {
             .write_sandbox_status(obj, phase, None, (false, reason, message), json!({}))
             .await
         {
-            warn!(error = %e, sandbox = %obj.name_any(), "could not report waiting for capacity");
+            warn!(error = %e, sandbox = %obj.name_any(), reason, "could not report waiting");
         }
     }
 

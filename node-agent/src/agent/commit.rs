@@ -29,6 +29,18 @@ use super::{Agent, now, writes};
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 use crate::fault;
+use ramify_crds::pod::Mode;
+
+/// The refusal of a Full commit in cluster mode (reported like any refused commit:
+/// `status.commitRefused` on the winner, the set ends in `Conflict`, nothing applied).
+fn full_commit_unavailable(fork: u64, parent_generation: u64) -> Conflict {
+    Conflict {
+        fork_generation: fork,
+        parent_generation,
+        paths: Vec::new(),
+        message: "Full commits are not available in cluster mode yet; use commit.mode Paths".into(),
+    }
+}
 
 /// At most this many changed files are listed in a status (the count is always exact).
 const MAX_LISTED_FILES: usize = 256;
@@ -194,6 +206,18 @@ impl Agent {
             .sandbox(&winner_uid)?
             .and_then(|r| r.fork_generation)
             .unwrap_or(0);
+        if bs.spec.commit.mode == CommitMode::Full && self.cfg.mode == Mode::Cluster {
+            // The winner's sandbox lives in the winner's Pod, which goes with the
+            // branch: it cannot become the parent's until Pods can be handed over.
+            let parent_generation = self
+                .registry
+                .sandbox(parent_uid)?
+                .map_or(0, |r| r.commits.generation);
+            return Ok(Applied::Refused(full_commit_unavailable(
+                fork,
+                parent_generation,
+            )));
+        }
         // Decided, so frozen: it runs again for its commit (and, when refused, waits
         // for its deletion frozen again).
         self.thaw_branch(&winner_uid).await?;

@@ -29,6 +29,9 @@ impl Agent {
         // As a shell reports it: 128 + the signal for a process a signal killed.
         let code = exit.code.or(exit.signal.map(|s| 128 + s));
         info!(id = %sb.id, reason = exit.reason.as_str(), message = %exit.message, "sandbox ended");
+        // Cluster mode: its Pod ends with it. First: a failure here is retried while
+        // the Sandbox still reads Running (once it reads ended, this is not run again).
+        self.write_pod_exit(sb, code)?;
         self.write_sandbox_status(
             obj,
             phase,

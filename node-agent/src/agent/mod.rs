@@ -19,6 +19,7 @@ mod exit;
 pub mod images;
 pub mod lease;
 pub mod metrics;
+pub mod pods;
 pub mod pools;
 pub mod registry;
 pub mod resume;
@@ -48,7 +49,7 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::Store;
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
 use ramify_crds::{
     BranchSet, FINALIZER_NODE_CLEANUP, Sandbox as SandboxObj, Snapshot as SnapshotObj,
@@ -65,6 +66,11 @@ use registry::Registry;
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     pub node: String,
+    /// Standalone (the agent admits and places sandboxes itself) or cluster (each
+    /// Sandbox runs in its Pod, see [`pods`]).
+    pub mode: ramify_crds::pod::Mode,
+    /// The kubelet's `--root-dir` (cluster mode: where Pods' volumes are).
+    pub kubelet_root_dir: std::path::PathBuf,
     pub system_namespace: String,
     /// What sandboxes may hold of this node (capacity minus the reserve).
     pub allocatable: ramify_crds::capacity::Requests,
@@ -90,6 +96,9 @@ pub struct Agent {
     recorder: Recorder,
     /// Live local sandboxes by Sandbox object uid.
     handles: Mutex<HashMap<String, Handle>>,
+    /// Cluster mode: the UID of the Pod each held sandbox was placed in, by Sandbox
+    /// uid (read without the handle's lock, which a branch run holds for long).
+    placed_pods: Mutex<HashMap<String, String>>,
     /// Warm pools by Snapshot object uid.
     pools: pools::Pools<WarmPool>,
     /// Branch runs in flight, by Sandbox uid; `true` sent when the branch is deleted
@@ -130,6 +139,8 @@ struct AgentCache {
     branchsets: Store<DeserializeGuard<BranchSet>>,
     bound: Store<DeserializeGuard<SandboxObj>>,
     pinned: Store<DeserializeGuard<SandboxObj>>,
+    /// Cluster mode: the Pods on this node backing Sandboxes.
+    pods: Option<Store<k8s_openapi::api::core::v1::Pod>>,
 }
 
 fn now() -> Time {
@@ -176,6 +187,7 @@ impl Agent {
             metrics,
             recorder,
             handles: Mutex::new(HashMap::new()),
+            placed_pods: Mutex::new(HashMap::new()),
             pools: pools::Pools::default(),
             runners: Mutex::new(HashMap::new()),
             epoch: uuid::Uuid::new_v4().to_string(),
@@ -204,6 +216,11 @@ impl Agent {
     }
 
     fn insert_handle(&self, uid: &str, sb: LocalSandbox) -> Handle {
+        if let Some(pod) = &sb.placed.pod
+            && let Ok(mut m) = self.placed_pods.lock()
+        {
+            m.insert(uid.to_string(), pod.uid.clone());
+        }
         let h: Handle = Arc::new(AsyncMutex::new(Some(sb)));
         if let Ok(mut m) = self.handles.lock() {
             m.insert(uid.to_string(), h.clone());
@@ -215,6 +232,9 @@ impl Agent {
     }
 
     fn take_handle(&self, uid: &str) -> Option<Handle> {
+        if let Ok(mut p) = self.placed_pods.lock() {
+            p.remove(uid);
+        }
         let mut m = self.handles.lock().ok()?;
         let h = m.remove(uid);
         self.metrics
@@ -334,11 +354,27 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         .any_semantic();
     // A sandbox that waited for capacity or a restore slot is reconciled again the
     // moment it is granted (by both controllers: each ignores what it does not hold).
-    let bound_ctl = Controller::new(
+    let mut bound_ctl = Controller::new(
         Api::<DeserializeGuard<SandboxObj>>::all(client.clone()),
         mine.clone(),
     )
     .reconcile_on(agent.admission.subscribe());
+    // Cluster mode: a Pod's events wake its Sandbox (bound here: its Pod's node).
+    let pods = match agent.cfg.mode {
+        ramify_crds::pod::Mode::Cluster => {
+            let (store, writer) = kube::runtime::reflector::store();
+            let events = watcher::watcher(
+                Api::<k8s_openapi::api::core::v1::Pod>::all(client.clone()),
+                pods::watch_config(&agent.cfg.node),
+            )
+            .default_backoff()
+            .reflect(writer)
+            .touched_objects();
+            bound_ctl = bound_ctl.watches_stream(events, |pod| pods::sandbox_of(&pod));
+            Some(store)
+        }
+        ramify_crds::pod::Mode::Standalone => None,
+    };
     // Sandboxes pinned to this node by their spec (every branch: its snapshot's node)
     // are seen at creation, a binding write earlier than through `status.nodeName`.
     let pinned_ctl = Controller::new(
@@ -365,6 +401,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         branchsets: commit_ctl.store(),
         bound: bound_ctl.store(),
         pinned: pinned_ctl.store(),
+        pods,
     });
     let sandboxes = bound_ctl
         .shutdown_on_signal()

@@ -234,10 +234,18 @@ impl Agent {
             .await;
             return Ok(Action::await_change());
         }
+        // Cluster mode: only in its Pod, once that runs here.
+        let pod_uid = match self.cfg.mode {
+            ramify_crds::pod::Mode::Cluster => match self.pod_to_start_in(obj, &uid).await {
+                Ok(pod_uid) => Some(pod_uid),
+                Err(wait) => return Ok(wait),
+            },
+            ramify_crds::pod::Mode::Standalone => None,
+        };
         if let Some(wait) = self.admit(obj, &uid).await? {
             return Ok(wait);
         }
-        self.start_sandbox(obj, &uid).await
+        self.start_sandbox(obj, &uid, pod_uid.as_deref()).await
     }
 
     async fn watch_running(
@@ -246,6 +254,10 @@ impl Agent {
         uid: &str,
         h: Handle,
     ) -> Result<Action> {
+        // Cluster mode: nothing of it outlives its Pod (whose cgroup and netns it uses).
+        if let Some(why) = self.pod_gone(obj, uid) {
+            return self.end_for_pod(obj, uid, h, why).await;
+        }
         // Held by a branch's run or verdict command (or a commit): the sandbox is in
         // use, so look again later. Waiting here would hold up this sandbox's next
         // reconcile (its deletion among them) for as long as the command runs.

@@ -20,6 +20,9 @@ use super::registry::SnapshotRecord;
 use super::{Agent, admission, error_category, millis, now, short_version, writes};
 use crate::error::Result;
 
+/// Event reason: a Snapshot asks for a warm pool the node cannot build (cluster mode).
+const REASON_WARM_POOL_UNAVAILABLE: &str = "WarmPoolUnavailable";
+
 impl Agent {
     #[instrument(skip_all, fields(snapshot = %snap.name_any()))]
     pub(super) async fn reconcile_snapshot(&self, snap: &SnapshotObj) -> Result<Action> {
@@ -186,6 +189,9 @@ impl Agent {
             .as_ref()
             .map(|w| usize::try_from(w.size).unwrap_or(0))
             .unwrap_or(0);
+        if want > 0 && self.cfg.mode == ramify_crds::pod::Mode::Cluster {
+            return self.refuse_pool(snap).await;
+        }
         let reservation = admission::pool_key(uid);
         let have = self.pools.size(uid);
         if have.is_some() && have != Some(want) {
@@ -235,16 +241,7 @@ impl Agent {
             .map(|w| w.ready);
         let ready_i32 = i32::try_from(ready).unwrap_or(i32::MAX);
         if want > 0 && reported != Some(ready_i32) {
-            let api: Api<SnapshotObj> =
-                Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
-            writes::status(
-                &api,
-                &snap.name_any(),
-                ramify_crds::MANAGER_AGENT_WARM_POOL,
-                None,
-                &json!({"warm": {"ready": ready_i32}}),
-            )
-            .await?;
+            self.write_warm_ready(snap, ready_i32).await?;
         }
         // Claims drain the pool between reconciles: look again soon (a local check; the
         // status is written only when the count changed), so `warm.ready` stays true.
@@ -253,6 +250,41 @@ impl Agent {
         } else {
             Action::await_change()
         })
+    }
+
+    /// `status.warm.ready` (the warm pool manager's whole part of the status).
+    async fn write_warm_ready(&self, snap: &SnapshotObj, ready: i32) -> Result<()> {
+        let api: Api<SnapshotObj> =
+            Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        writes::status(
+            &api,
+            &snap.name_any(),
+            ramify_crds::MANAGER_AGENT_WARM_POOL,
+            None,
+            &json!({"warm": {"ready": ready}}),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Cluster mode: a warm pool's branches would have no Pod to live in (their Pods
+    /// are created only when a branch is claimed), so none is built. Said once, on the
+    /// Snapshot (`status.warm.ready` 0, and a Warning Event), never silently.
+    async fn refuse_pool(&self, snap: &SnapshotObj) -> Result<Action> {
+        let reported = snap.status.as_ref().and_then(|s| s.warm.as_ref());
+        if reported.is_some_and(|w| w.ready == 0) {
+            return Ok(Action::await_change());
+        }
+        self.write_warm_ready(snap, 0).await?;
+        self.metrics.failed("snapshot", "warm_pool_unavailable");
+        self.event(
+            snap,
+            true,
+            REASON_WARM_POOL_UNAVAILABLE,
+            "warm pools are not available in cluster mode yet: spec.warmPool is ignored, and every branch restores cold in its own Pod".into(),
+        )
+        .await;
+        Ok(Action::await_change())
     }
 
     async fn write_snapshot_phase(&self, snap: &SnapshotObj, phase: SnapshotPhase) -> Result<()> {

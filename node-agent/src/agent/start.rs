@@ -75,6 +75,7 @@ impl Agent {
         self: &Arc<Self>,
         obj: &SandboxObj,
         uid: &str,
+        pod_uid: Option<&str>,
     ) -> Result<Action> {
         let t0 = Instant::now();
         // In flight from here until its handle is held (or it failed): a deletion
@@ -83,7 +84,7 @@ impl Agent {
         let slot = self.admission.restores.permit(uid);
         self.publish_capacity();
         let started = match &obj.spec.restore_from {
-            Some(rf) => self.start_from_snapshot(obj, rf).await,
+            Some(rf) => self.start_from_snapshot(obj, rf, pod_uid).await,
             None => match self.fresh_source(obj).await {
                 // A failed API read is not the sandbox's fault: retried, not Failed.
                 Err(e @ Error::Kube(_)) => return Err(e),
@@ -111,7 +112,7 @@ impl Agent {
                                 extra.clone(),
                             )
                             .await?;
-                            self.start_fresh(obj, source.clone(), workload)
+                            self.start_fresh(obj, source.clone(), workload, pod_uid)
                                 .await
                                 .map(|sb| (sb, extra, None))
                                 .map_err(|e| match &image {
@@ -171,6 +172,9 @@ impl Agent {
                     _ => "StartFailed",
                 };
                 self.metrics.failed("sandbox", error_category(&e));
+                if let Some(pod_uid) = pod_uid {
+                    self.fail_pod(obj, pod_uid);
+                }
                 self.write_sandbox_status(
                     obj,
                     SandboxPhase::Failed,
@@ -252,14 +256,18 @@ impl Agent {
         obj: &SandboxObj,
         rootfs: RootfsSource,
         workload: WorkloadSpec,
+        pod_uid: Option<&str>,
     ) -> Result<LocalSandbox> {
         self.engine
-            .start(StartRequest {
-                name: obj.name_any(),
-                rootfs,
-                workload,
-                egress_allow: egress_of(obj)?,
-            })
+            .start_in(
+                StartRequest {
+                    name: obj.name_any(),
+                    rootfs,
+                    workload,
+                    egress_allow: egress_of(obj)?,
+                },
+                pod_uid,
+            )
             .await
     }
 
@@ -269,6 +277,7 @@ impl Agent {
         &self,
         obj: &SandboxObj,
         rf: &ramify_crds::RestoreFrom,
+        pod_uid: Option<&str>,
     ) -> Result<(LocalSandbox, serde_json::Value, Option<u64>)> {
         let ns = obj.namespace().unwrap_or_default();
         let snaps: Api<SnapshotObj> = Api::namespaced(self.client.clone(), &ns);
@@ -324,8 +333,9 @@ impl Agent {
             .unwrap_or_else(|| (obj.name_any(), 0));
 
         let t0 = Instant::now();
-        // A warm branch has no baseline manifest, so Paths commits restore cold.
-        let warm = if track.is_empty() {
+        // A warm branch has no baseline manifest, so Paths commits restore cold; and
+        // none is in a Pod (cluster mode builds no pools).
+        let warm = if track.is_empty() && pod_uid.is_none() {
             self.pools
                 .claim(
                     &snap.uid().unwrap_or_default(),
@@ -372,7 +382,8 @@ impl Agent {
                         ),
                         json!({}),
                     ),
-                    self.engine.fork_one(&rec.image_id, &name, index, &track)
+                    self.engine
+                        .fork_one_in(&rec.image_id, &name, index, &track, pod_uid)
                 );
                 if let Err(e) = noted {
                     warn!(error = %e, "could not report Restoring");

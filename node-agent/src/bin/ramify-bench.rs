@@ -361,6 +361,7 @@ async fn plain_parallel_restore(
             .place(&PlacementRequest {
                 id: id.clone(),
                 egress_allow: vec![],
+                pod_uid: None,
             })
             .await
         {

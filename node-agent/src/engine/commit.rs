@@ -283,11 +283,18 @@ impl Engine {
         stdin: Option<&Path>,
         what: &str,
     ) -> Result<Output> {
-        let out = self
+        // As root inside the sandbox, whatever user the workload (its image) runs as:
+        // the commit stages next to `/` and writes files the workload's user may not
+        // (gVisor's root is the sandbox's, not the node's).
+        let mut cmd = self
             .inner
             .runsc
-            .exec(&sb.ctx, argv, &[], stdin, self.inner.cfg.exec_timeout, None)
-            .await?;
+            .exec_cmd_as(&sb.ctx, argv, &[], Some("0:0"))?
+            .timeout(self.inner.cfg.exec_timeout);
+        if let Some(p) = stdin {
+            cmd = cmd.stdin_file(p);
+        }
+        let out = cmd.output().await?;
         if out.code != 0 {
             return Err(Error::Sandbox {
                 id: sb.id.clone(),

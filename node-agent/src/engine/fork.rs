@@ -30,6 +30,7 @@ impl Engine {
         name: &str,
         index: u32,
         track: &[String],
+        pod_uid: Option<&str>,
     ) -> Result<LocalSandbox> {
         let egress: Vec<Cidr> = meta
             .egress_allow
@@ -45,7 +46,10 @@ impl Engine {
                 index,
                 rootfs,
                 meta.workload.clone(),
-                egress,
+                super::sandbox::Net {
+                    egress_allow: egress,
+                    pod_uid,
+                },
                 Some(&meta.id),
             )
             .await?;
@@ -112,7 +116,10 @@ impl Engine {
                 }
             );
             let (meta, img) = (&meta, &img);
-            async move { self.restore_branch(meta, img, &name, i, &opts.track).await }
+            async move {
+                self.restore_branch(meta, img, &name, i, &opts.track, None)
+                    .await
+            }
         });
         let results = futures::future::join_all(futs).await;
         let mut ok = Vec::new();
@@ -137,7 +144,6 @@ impl Engine {
 
     /// Restore one branch named `name` with position `index` from a stored image
     /// (verified first), recording `track` globs for a later commit Paths.
-    #[instrument(skip(self, track))]
     pub async fn fork_one(
         &self,
         snapshot: &str,
@@ -145,9 +151,23 @@ impl Engine {
         index: u32,
         track: &[String],
     ) -> Result<LocalSandbox> {
+        self.fork_one_in(snapshot, name, index, track, None).await
+    }
+
+    /// [`Engine::fork_one`] into the Pod with `pod_uid` (cluster mode).
+    #[instrument(skip(self, track))]
+    pub async fn fork_one_in(
+        &self,
+        snapshot: &str,
+        name: &str,
+        index: u32,
+        track: &[String],
+        pod_uid: Option<&str>,
+    ) -> Result<LocalSandbox> {
         let (meta, img) = self.verified_image(snapshot).await?;
         diff::glob_roots(track)?;
-        self.restore_branch(&meta, &img, name, index, track).await
+        self.restore_branch(&meta, &img, name, index, track, pod_uid)
+            .await
     }
 
     /// The snapshot's metadata and image directory, once the image checks out (see

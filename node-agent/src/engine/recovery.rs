@@ -110,6 +110,7 @@ impl Engine {
                 address: None,
                 host_veth: None,
                 chain: Some(crate::placement::chain_name(&id)),
+                pod: None,
             },
             identity: Identity {
                 name: id.clone(),

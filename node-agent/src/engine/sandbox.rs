@@ -52,6 +52,12 @@ pub struct LocalSandbox {
     pub(super) ctx: SandboxCtx,
 }
 
+/// How a new sandbox is placed: its egress allowlist and (cluster mode) its Pod.
+pub(super) struct Net<'a> {
+    pub egress_allow: Vec<Cidr>,
+    pub pod_uid: Option<&'a str>,
+}
+
 impl LocalSandbox {
     pub fn control_dir(&self) -> PathBuf {
         self.dir.join("control")
@@ -81,9 +87,13 @@ impl Engine {
         index: u32,
         rootfs: PinnedDir,
         workload: WorkloadSpec,
-        egress_allow: Vec<Cidr>,
+        net: Net<'_>,
         snapshot: Option<&str>,
     ) -> Result<LocalSandbox> {
+        let Net {
+            egress_allow,
+            pod_uid,
+        } = net;
         // The root is read-only: runsc cannot make the control mount's mount point in it,
         // and without one the sandbox dies at boot with an opaque error.
         let mount_point = rootfs
@@ -119,6 +129,7 @@ impl Engine {
             .place(&PlacementRequest {
                 id: id.clone(),
                 egress_allow: egress_allow.clone(),
+                pod_uid: pod_uid.map(str::to_string),
             })
             .await
         {
@@ -164,6 +175,11 @@ impl Engine {
             ctx,
         };
         let written = (|| {
+            // Cluster mode: the console goes to the Pod's volume (`kubectl logs`),
+            // linked before runsc first opens it.
+            if let Some(pod) = &sb.placed.pod {
+                crate::pod_files::link_console(&self.log_path(&sb), &pod.volume)?;
+            }
             control::write_identity(&sb.control_dir(), &sb.identity)
                 .map_err(|e| Error::io("write identity", sb.control_dir(), e))?;
             let cfg = spec::oci_config(
@@ -185,12 +201,27 @@ impl Engine {
     }
 
     /// Start a fresh sandbox.
-    #[instrument(skip(self, req), fields(name = %req.name))]
     pub async fn start(&self, req: StartRequest) -> Result<LocalSandbox> {
+        self.start_in(req, None).await
+    }
+
+    /// Start a fresh sandbox, in the Pod with `pod_uid` (cluster mode).
+    #[instrument(skip(self, req), fields(name = %req.name))]
+    pub async fn start_in(&self, req: StartRequest, pod_uid: Option<&str>) -> Result<LocalSandbox> {
         req.workload.validate()?;
         let rootfs = req.rootfs.resolve(&self.inner.rootfs).await?;
         let sb = self
-            .prepare(&req.name, 0, rootfs, req.workload, req.egress_allow, None)
+            .prepare(
+                &req.name,
+                0,
+                rootfs,
+                req.workload,
+                Net {
+                    egress_allow: req.egress_allow,
+                    pod_uid,
+                },
+                None,
+            )
             .await?;
         let started = async {
             self.inner.placement.before_start(&sb.placed).await?;

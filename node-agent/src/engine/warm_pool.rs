@@ -145,7 +145,7 @@ impl WarmPool {
             let made = async {
                 let (meta, img) = engine.verified_image(&snapshot).await?;
                 let sb = engine
-                    .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[])
+                    .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[], None)
                     .await?;
                 if let Err(e) = crate::freezer::pause(
                     engine.runsc(),

@@ -83,6 +83,18 @@ pub(super) fn branch_sandbox(
         self_fork: parent.spec.self_fork.clone(),
         // A branch runs to its verdict; only a workspace is suspended.
         suspended: false,
+        // Cluster mode: a branch's Pod goes to its snapshot's node, tolerating what its
+        // parent's tolerates, at its priority; the parent's labels (which a Service may
+        // select) and its placement rules stay the parent's.
+        pod: parent
+            .spec
+            .pod
+            .as_ref()
+            .map(|p| ramify_crds::pod::PodSettings {
+                tolerations: p.tolerations.clone(),
+                priority_class_name: p.priority_class_name.clone(),
+                ..Default::default()
+            }),
     };
     let mut sbx = Sandbox::new(&name, spec);
     sbx.metadata = ObjectMeta {

@@ -90,6 +90,7 @@ fn branch(name: &str, phase: SandboxPhase, verdict: Option<(VerdictValue, i64)>)
             allow_snapshot_with_secrets: false,
             self_fork: None,
             suspended: false,
+            pod: None,
         },
     );
     s.metadata.labels = Some(

@@ -92,6 +92,7 @@ async fn plain_run(
         .place(&PlacementRequest {
             id: id.clone(),
             egress_allow: vec![],
+            pod_uid: None,
         })
         .await?;
     let sdir = dir.join("plain-image").join(&id);

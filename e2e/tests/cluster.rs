@@ -1,0 +1,644 @@
+//! Cluster mode on the real node (kubelet + containerd + kube-proxy, hack/node): every
+//! Sandbox is backed by a Pod kube-scheduler placed, its gVisor sandbox runs in that
+//! Pod's network namespace and cgroup, and the Pod's container (`ramify-pod`, pulled
+//! from the local registry) streams its console to `kubectl logs` and ends with it.
+//! ResourceQuota, node selectors, Pod deletion and eviction act on sandboxes as on any
+//! Pod. Real control plane, real kubelet, real runsc: nothing here is simulated.
+//!
+//! One node per machine: the tests take [`RealNode::exclusive`]; run under the runsc
+//! lock like the other real-node tests.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, PostParams};
+use ramify_crds::capacity::{CONDITION_READY, CONDITION_SCHEDULED};
+use ramify_crds::pod::{
+    LABEL_SANDBOX_UID, REASON_POD_DELETED, REASON_POD_EVICTED, REASON_POD_REFUSED,
+    REASON_UNSCHEDULABLE,
+};
+use ramify_crds::{BranchSetPhase, ConditionsExt, Sandbox, SandboxPhase};
+use ramify_e2e::node::{RealNode, cgroup_roots};
+use ramify_e2e::registry::Registry;
+use ramify_e2e::system::System;
+use ramify_e2e::{ControlPlane, repo_root};
+use serde_json::Value;
+
+/// The test's cluster: the real node, and ramify's operator and node agent in cluster
+/// mode (the agent announcing the kubelet's node).
+struct Bed {
+    sys: System,
+    node: RealNode,
+    /// busybox:1 of the test registry, by digest.
+    busybox: String,
+    /// The plain busybox image imported into the node (for ordinary Pods).
+    node_busybox: String,
+}
+
+/// `ramify/pod` as hack/images/ramify.sh pushes it: repository@digest.
+fn push_pod_image(reg: &Registry) -> String {
+    let status = Command::new(repo_root().join("hack/images/ramify.sh"))
+        .args(["push", "e2e-cluster"])
+        .env("RAMIFY_REGISTRY_DIR", reg.dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .status()
+        .expect("running hack/images/ramify.sh");
+    assert!(
+        status.success(),
+        "hack/images/ramify.sh push failed (output above)"
+    );
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(reg.dir().join("ramify-images.json")).unwrap())
+            .unwrap();
+    let pod = &v["images"]["pod"];
+    format!(
+        "{}@{}",
+        pod["repository"].as_str().expect("images.pod.repository"),
+        pod["digest"].as_str().expect("images.pod.digest")
+    )
+}
+
+async fn bed(name: &str) -> Bed {
+    let reg = Registry::shared().unwrap();
+    let pod_image = push_pod_image(&reg);
+    let busybox = reg.image("busybox:1").unwrap().by_digest();
+    let (node_busybox, _) = RealNode::busybox_image().unwrap();
+    let cp = ControlPlane::ensure().unwrap();
+    let node = RealNode::start_pulling_from(&cp, &[reg.addr()])
+        .await
+        .unwrap();
+    eprintln!(
+        "cluster: node Ready {:.1}s after up.sh",
+        node.ready_after.as_secs_f64()
+    );
+    let kubelet_root = node.dir.join("kubelet");
+    let sys = System::start_configured(
+        name,
+        &[
+            "--mode",
+            "cluster",
+            "--kubelet-root-dir",
+            kubelet_root.to_str().unwrap(),
+            "--insecure-registry",
+            "loopback",
+        ],
+        &[],
+        &["--mode", "cluster", "--pod-image", &pod_image],
+        Some(&node.name),
+    )
+    .await;
+    Bed {
+        sys,
+        node,
+        busybox,
+        node_busybox,
+    }
+}
+
+impl Bed {
+    fn kubectl(&self, args: &[&str]) -> ramify_e2e::KubectlOutput {
+        let mut a = vec!["-n", self.sys.ns.name.as_str()];
+        a.extend(args);
+        self.sys.cp.kubectl_run(&a, None).unwrap()
+    }
+
+    fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args);
+        assert!(
+            out.success,
+            "kubectl {args:?}: {}\n{}",
+            out.stderr,
+            self.sys.diagnostics()
+        );
+        out.stdout
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.sys.client.clone(), &self.sys.ns.name)
+    }
+
+    /// The Sandbox's phase now.
+    async fn current_phase(&self, name: &str) -> SandboxPhase {
+        let sbx = self.sys.sandboxes().get(name).await.unwrap();
+        sbx.status.map(|s| s.phase).unwrap_or_default()
+    }
+
+    /// A Sandbox of busybox:1 running `script`, with `extra` spec lines.
+    fn sandbox(&self, name: &str, script: &str, extra: &str) -> String {
+        format!(
+            r#"apiVersion: ramify.dev/v1alpha1
+kind: Sandbox
+metadata:
+  name: {name}
+spec:
+  image: {}
+  command: ["/bin/sh", "-c", {}]
+  resources: {{cpu: 200m, memory: 128Mi}}
+{extra}"#,
+            self.busybox,
+            serde_json::to_string(script).unwrap()
+        )
+    }
+
+    /// Waits for `phase`; fails at once when the sandbox ends in another one.
+    async fn phase(&self, name: &str, phase: SandboxPhase, secs: u64) -> Sandbox {
+        let s = self
+            .sys
+            .wait_sandbox(name, &format!("{phase:?}"), secs, move |s| {
+                s.status.as_ref().is_some_and(|st| {
+                    st.phase == phase
+                        || matches!(
+                            st.phase,
+                            SandboxPhase::Failed | SandboxPhase::Succeeded | SandboxPhase::Aborted
+                        )
+                })
+            })
+            .await;
+        let got = s.status.as_ref().map(|st| st.phase);
+        assert_eq!(
+            got,
+            Some(phase),
+            "{name}: {:#?}\n{}",
+            s.status,
+            self.sys.diagnostics()
+        );
+        s
+    }
+
+    /// Waits until condition `type_` of the Sandbox has `reason`; returns its message.
+    async fn reason(&self, name: &str, type_: &'static str, reason: &'static str) -> String {
+        let s = self
+            .sys
+            .wait_sandbox(name, &format!("{type_} reason {reason}"), 120, move |s| {
+                s.status
+                    .as_ref()
+                    .and_then(|st| st.conditions.get_condition(type_))
+                    .is_some_and(|c| c.reason == reason)
+            })
+            .await;
+        s.status
+            .unwrap()
+            .conditions
+            .get_condition(type_)
+            .unwrap()
+            .message
+            .clone()
+    }
+
+    /// Polls until `f` holds (a condition on the node or the API), failing after `secs`.
+    async fn until(&self, what: &str, secs: u64, mut f: impl AsyncFnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while !f().await {
+            assert!(
+                Instant::now() < deadline,
+                "{what} within {secs}s\n{}",
+                self.sys.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn teardown(mut self) {
+        let ns = self.sys.ns.name.clone();
+        self.sys.teardown_and_check_clean().await;
+        // No Pod of the test namespace is left, nor anything of ramify under kubepods.
+        let left = ramify_cgroups_under_kubepods();
+        assert!(
+            left.is_empty(),
+            "sandbox cgroups left under kubepods: {left:?}"
+        );
+        let _ = ns;
+        self.node.stop().unwrap();
+    }
+}
+
+/// The directories of a Pod's cgroup (cgroupfs driver: `kubepods[/qos]/pod<uid>`) in the
+/// memory hierarchy.
+fn pod_memory_cgroup(uid: &str) -> Option<PathBuf> {
+    let root = cgroup_roots()
+        .into_iter()
+        .find(|r| r.ends_with("memory"))?
+        .join("kubepods");
+    [
+        root.join(format!("pod{uid}")),
+        root.join(format!("burstable/pod{uid}")),
+        root.join(format!("besteffort/pod{uid}")),
+    ]
+    .into_iter()
+    .find(|p| p.is_dir())
+}
+
+/// `ramify-*` cgroups anywhere under kubepods (a sandbox's, inside its Pod's).
+fn ramify_cgroups_under_kubepods() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack: Vec<PathBuf> = cgroup_roots().iter().map(|r| r.join("kubepods")).collect();
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                if e.file_name().to_string_lossy().starts_with("ramify-") {
+                    out.push(e.path());
+                }
+                stack.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+fn read_u64(p: &std::path::Path) -> u64 {
+    std::fs::read_to_string(p)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// `curl` from the host, with a short timeout; the body on success.
+fn curl(url: &str) -> Option<String> {
+    let out = Command::new("curl")
+        .args(["-sf", "--max-time", "3", url])
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// A Sandbox from an image becomes a Running Pod placed by the scheduler on the real
+/// node: it answers on the Pod IP and through a Service selecting the Pod's labels,
+/// `kubectl logs` shows its console, its requests show on the node, its memory counts
+/// in the Pod's cgroup, it gets no service-account token, its egress is denied (another
+/// Pod, the node itself), and a sandbox that exits ends its Pod with its exit code.
+#[tokio::test]
+async fn a_sandbox_is_a_pod_placed_by_the_scheduler() {
+    let _one_node = RealNode::exclusive().await;
+    let bed = bed("cluster").await;
+    let started = Instant::now();
+    bed.sys.apply(&bed.sandbox(
+        "web",
+        "echo hello from the sandbox; mkdir -p /home/app/www && echo served-by-ramify > /home/app/www/index.html && exec httpd -f -p 8080 -h /home/app/www",
+        "  pod:\n    labels: {app: ramify-web}\n",
+    ));
+    let web = bed.phase("web", SandboxPhase::Running, 300).await;
+    eprintln!(
+        "cluster: apply -> Running {:.2}s (first pull of the pod and workload images included)",
+        started.elapsed().as_secs_f64()
+    );
+    let st = web.status.clone().unwrap();
+    assert_eq!(st.node_name.as_deref(), Some(bed.node.name.as_str()));
+    let pod_ref = st.pod.clone().expect("status.pod");
+    assert_eq!(pod_ref.name, "web");
+
+    // The Pod: owned by the Sandbox, placed by the scheduler on the node, no token.
+    let pod = bed.pods().get("web").await.unwrap();
+    let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!(owner.kind, "Sandbox");
+    assert_eq!(Some(&owner.uid), web.metadata.uid.as_ref());
+    assert_eq!(owner.controller, Some(true));
+    assert_eq!(
+        pod.metadata.labels.as_ref().unwrap().get(LABEL_SANDBOX_UID),
+        web.metadata.uid.as_ref()
+    );
+    let spec = pod.spec.clone().unwrap();
+    assert_eq!(spec.node_name.as_deref(), Some(bed.node.name.as_str()));
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    let c = &spec.containers[0];
+    assert!(
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .all(|m| !m.mount_path.contains("serviceaccount")),
+        "{:?}",
+        c.volume_mounts
+    );
+    let requests = c.resources.as_ref().unwrap().requests.clone().unwrap();
+    assert_eq!(requests["cpu"].0, "200m");
+    assert_eq!(requests["memory"].0, "128Mi");
+    let pod_status = pod.status.clone().unwrap();
+    assert_eq!(pod_status.phase.as_deref(), Some("Running"));
+    let pod_ip = pod_status.pod_ip.clone().unwrap();
+    assert_eq!(pod_ref.uid, pod.metadata.uid.clone().unwrap());
+
+    // kubectl logs shows the workload's console output.
+    bed.until("kubectl logs shows the sandbox's console", 60, async || {
+        bed.kubectl(&["logs", "web"])
+            .stdout
+            .contains("hello from the sandbox")
+    })
+    .await;
+
+    // The sandbox answers on the Pod IP, and through a Service selecting the Pod.
+    bed.until("the sandbox answers on its Pod IP", 60, async || {
+        curl(&format!("http://{pod_ip}:8080/")).as_deref() == Some("served-by-ramify")
+    })
+    .await;
+    bed.sys.apply(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec:\n  selector: {app: ramify-web}\n  ports: [{port: 80, targetPort: 8080}]\n",
+    );
+    let cluster_ip = bed
+        .kubectl_ok(&["get", "service", "web", "-o", "jsonpath={.spec.clusterIP}"])
+        .trim()
+        .to_string();
+    bed.until("the Service reaches the sandbox", 60, async || {
+        curl(&format!("http://{cluster_ip}/")).as_deref() == Some("served-by-ramify")
+    })
+    .await;
+
+    // The node accounts the Pod's requests; the sandbox's memory is in the Pod's cgroup.
+    let describe = bed
+        .sys
+        .cp
+        .kubectl_run(&["describe", "node", &bed.node.name], None)
+        .unwrap()
+        .stdout;
+    let line = describe
+        .lines()
+        .find(|l| l.contains(&bed.sys.ns.name) && l.contains(" web "))
+        .unwrap_or_else(|| panic!("web not among the node's pods:\n{describe}"));
+    assert!(line.contains("200m"), "{line}");
+    let pod_cg = pod_memory_cgroup(&pod_ref.uid).expect("the Pod's memory cgroup");
+    let inner: Vec<_> = std::fs::read_dir(&pod_cg)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("ramify-"))
+        .collect();
+    assert_eq!(
+        inner.len(),
+        1,
+        "one sandbox cgroup inside {}",
+        pod_cg.display()
+    );
+    let sandbox_mem = read_u64(&inner[0].path().join("memory.usage_in_bytes"));
+    let pod_mem = read_u64(&pod_cg.join("memory.usage_in_bytes"));
+    eprintln!(
+        "cluster: sandbox memory {} KiB, in the Pod's cgroup {} KiB",
+        sandbox_mem / 1024,
+        pod_mem / 1024
+    );
+    assert!(
+        sandbox_mem > 1 << 20,
+        "the sandbox uses memory in its cgroup"
+    );
+    assert!(
+        pod_mem >= sandbox_mem,
+        "the Pod's cgroup counts the sandbox"
+    );
+    assert_eq!(
+        read_u64(&pod_cg.join("memory.limit_in_bytes")),
+        128 << 20,
+        "the Pod's limit is the sandbox's"
+    );
+
+    // Egress is denied: neither another Pod on the node nor the node itself.
+    let listener = serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "listener"},
+        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": bed.node_busybox, "imagePullPolicy": "Never",
+                "command": ["sh", "-c", "while true; do echo reached | nc -l -p 9000; done"]}]}
+    });
+    bed.pods()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(listener).unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut listener_ip = String::new();
+    bed.until("the listener Pod runs", 120, async || {
+        let p = bed.pods().get("listener").await.unwrap();
+        let st = p.status.unwrap_or_default();
+        listener_ip = st.pod_ip.unwrap_or_default();
+        st.phase.as_deref() == Some("Running") && !listener_ip.is_empty()
+    })
+    .await;
+    // The node's own pods reach it (so a refusal below is the sandbox's policy).
+    assert_eq!(curl_nc(&listener_ip), Some("reached".into()));
+    // The kubelet listens on the node IP (hack/node/up.sh: the plane's port base + 10).
+    let base: u16 = std::env::var("RAMIFY_CP_PORT_BASE")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(16440);
+    let kubelet = format!("{}:{}", bed.node.ip, base + 10);
+    assert!(
+        std::net::TcpStream::connect_timeout(&kubelet.parse().unwrap(), Duration::from_secs(3))
+            .is_ok(),
+        "the kubelet does not listen on {kubelet}"
+    );
+    for (what, target) in [
+        ("another Pod", format!("{listener_ip} 9000")),
+        ("the node's kubelet", kubelet.replace(':', " ")),
+    ] {
+        let (code, out) = bed.sys.exec(
+            "web",
+            &format!("echo x | nc -w 2 {target} && echo CONNECTED"),
+        );
+        assert!(
+            code != 0 && !out.contains("CONNECTED") && !out.contains("reached"),
+            "the sandbox reached {what} ({target}): code {code}, {out}"
+        );
+    }
+
+    // A sandbox that exits ends its Pod with its exit code.
+    bed.sys
+        .apply(&bed.sandbox("once", "echo about to fail; exit 3", ""));
+    let once = bed.phase("once", SandboxPhase::Failed, 300).await;
+    assert_eq!(once.status.unwrap().exit_code, Some(3));
+    bed.until(
+        "the Pod of a sandbox that exited 3 fails with 3",
+        60,
+        async || {
+            let p = bed.pods().get("once").await.unwrap();
+            let st = p.status.unwrap_or_default();
+            let code = st
+                .container_statuses
+                .unwrap_or_default()
+                .first()
+                .and_then(|c| c.state.as_ref()?.terminated.as_ref().map(|t| t.exit_code));
+            st.phase.as_deref() == Some("Failed") && code == Some(3)
+        },
+    )
+    .await;
+    assert!(
+        bed.kubectl(&["logs", "once"])
+            .stdout
+            .contains("about to fail"),
+        "the exited sandbox's console stays in kubectl logs"
+    );
+
+    // Deleting the Sandbox deletes its Pod and the sandbox.
+    bed.sys
+        .sandboxes()
+        .delete("web", &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.until("web's Pod is gone", 120, async || {
+        bed.pods().get_opt("web").await.unwrap().is_none()
+    })
+    .await;
+    bed.pods()
+        .delete("listener", &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.teardown().await;
+}
+
+/// `nc` from the host to a listener Pod's port 9000; what it answered.
+fn curl_nc(ip: &str) -> Option<String> {
+    let out = Command::new("busybox")
+        .args(["nc", "-w", "3", ip, "9000"])
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (!s.is_empty()).then_some(s)
+}
+
+/// The scheduler and the API server decide for sandboxes as for Pods: a ResourceQuota
+/// for two Pods keeps the third sandbox Pending with the quota's message until room is
+/// freed, a node selector no node matches keeps one Pending with the scheduler's
+/// message, and a deleted or evicted Pod ends its sandbox, saying which.
+#[tokio::test]
+async fn quotas_selectors_deletion_and_eviction_act_on_sandboxes() {
+    let _one_node = RealNode::exclusive().await;
+    let bed = bed("cluster-policy").await;
+    bed.sys.apply(
+        "apiVersion: v1\nkind: ResourceQuota\nmetadata: {name: two-pods}\nspec:\n  hard: {pods: \"2\"}\n",
+    );
+    let forever = "while true; do sleep 1; done";
+    for name in ["a", "b"] {
+        bed.sys.apply(&bed.sandbox(name, forever, ""));
+        bed.phase(name, SandboxPhase::Running, 300).await;
+    }
+    bed.sys.apply(&bed.sandbox("c", forever, ""));
+    let msg = bed
+        .reason("c", CONDITION_SCHEDULED, REASON_POD_REFUSED)
+        .await;
+    assert!(
+        msg.contains("exceeded quota") && msg.contains("two-pods"),
+        "{msg}"
+    );
+    assert_eq!(bed.current_phase("c").await, SandboxPhase::Pending);
+
+    bed.sys.apply(&bed.sandbox(
+        "nowhere",
+        forever,
+        "  pod:\n    nodeSelector: {ramify.dev/e2e-no-such-node: \"true\"}\n",
+    ));
+    // The quota counts Pods: free a place first so the selector is what keeps it.
+    bed.pods()
+        .delete("a", &DeleteParams::default())
+        .await
+        .unwrap();
+    let msg = bed.reason("a", CONDITION_READY, REASON_POD_DELETED).await;
+    assert!(msg.contains("deleted"), "{msg}");
+    let a = bed.phase("a", SandboxPhase::Failed, 60).await;
+    assert!(a.status.unwrap().sandbox_id.is_some());
+    // Either c or nowhere takes the freed place; whichever is created while the other
+    // waits for quota. Evict b so both have room.
+    bed.pods()
+        .evict("b", &EvictParams::default())
+        .await
+        .unwrap();
+    let msg = bed.reason("b", CONDITION_READY, REASON_POD_EVICTED).await;
+    assert!(msg.to_lowercase().contains("evict"), "{msg}");
+    bed.phase("b", SandboxPhase::Failed, 60).await;
+
+    let msg = bed
+        .reason("nowhere", CONDITION_SCHEDULED, REASON_UNSCHEDULABLE)
+        .await;
+    assert!(msg.contains("node affinity/selector"), "{msg}");
+    bed.phase("c", SandboxPhase::Running, 300).await;
+    assert_eq!(bed.current_phase("nowhere").await, SandboxPhase::Pending);
+    // Nothing of a or b runs: their Pods are gone, their sandboxes destroyed.
+    let pods = bed.pods().list(&ListParams::default()).await.unwrap();
+    let names: Vec<_> = pods
+        .items
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    assert!(
+        !names.contains(&"a".into()) && !names.contains(&"b".into()),
+        "{names:?}"
+    );
+    bed.teardown().await;
+}
+
+/// A BranchSet forks a live sandbox in cluster mode: each branch is a Pod on the
+/// snapshot's node, restored from the snapshot inside it; the first branch that commits
+/// promotes its files (Paths) into the parent, the others' Pods go.
+#[tokio::test]
+async fn a_branchset_forks_a_pod_backed_sandbox_and_commits_paths() {
+    let _one_node = RealNode::exclusive().await;
+    let bed = bed("cluster-fork").await;
+    bed.sys.apply(&bed.sandbox(
+        "workspace",
+        "mkdir -p /home/app/work && echo mode=slow > /home/app/work/app.conf; i=0; while true; do i=$((i+1)); echo $i > /home/app/count; sleep 0.2; done",
+        "",
+    ));
+    bed.phase("workspace", SandboxPhase::Running, 300).await;
+    bed.sys.apply(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: try
+spec:
+  source: {sandbox: workspace}
+  branches:
+    - name: broken
+      run: ["/bin/sh", "-c", "echo mode=broken > /home/app/work/app.conf"]
+    - name: fast
+      run: ["/bin/sh", "-c", "echo mode=fast > /home/app/work/app.conf"]
+  verdict:
+    command: ["/bin/sh", "-c", "grep -q mode=fast /home/app/work/app.conf"]
+  commit:
+    mode: Paths
+    paths: ["/home/app/work/**"]
+  timeoutSeconds: 240
+"#,
+    );
+    // Each branch runs in a Pod of its own on the snapshot's node.
+    bed.until("both branches have Pods on the node", 240, async || {
+        let mut on_node = 0;
+        for b in ["try-broken", "try-fast"] {
+            if let Some(p) = bed.pods().get_opt(b).await.unwrap()
+                && p.spec.and_then(|s| s.node_name).as_deref() == Some(bed.node.name.as_str())
+            {
+                on_node += 1;
+            }
+        }
+        on_node == 2
+    })
+    .await;
+    let bs = bed
+        .sys
+        .wait_branchset("try", "ended", 300, |b| {
+            b.status.as_ref().is_some_and(|s| {
+                matches!(
+                    s.phase,
+                    BranchSetPhase::Committed
+                        | BranchSetPhase::Exhausted
+                        | BranchSetPhase::Failed
+                        | BranchSetPhase::Conflict
+                )
+            })
+        })
+        .await;
+    let st = bs.status.unwrap();
+    assert_eq!(st.phase, BranchSetPhase::Committed, "{st:#?}");
+    assert_eq!(st.winner.as_deref(), Some("fast"));
+    bed.sys.wait_branches_gone("try", 120).await;
+    bed.until("the branches' Pods are gone", 120, async || {
+        bed.pods().get_opt("try-broken").await.unwrap().is_none()
+            && bed.pods().get_opt("try-fast").await.unwrap().is_none()
+    })
+    .await;
+    let (code, conf) = bed.sys.exec("workspace", "cat /home/app/work/app.conf");
+    assert_eq!((code, conf.as_str()), (0, "mode=fast"));
+    bed.teardown().await;
+}

@@ -1,0 +1,458 @@
+//! Cluster mode: the Pods backing this node's Sandboxes (`ramify_crds::pod`).
+//!
+//! The agent watches the Pods on its node that carry a Sandbox's UID label; a Pod
+//! event wakes its Sandbox's reconcile (by the Pod's controller reference). A Sandbox
+//! starts (or restores) only once its Pod is on this node, controlled by it, not being
+//! deleted, and its `ramify-pod` container runs: until then it says it waits
+//! (`WaitingForPod`). A sandbox whose Pod is deleted or evicted while it lives is
+//! destroyed, and its Sandbox fails saying so (`PodDeleted`, `PodEvicted`).
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use ramify_crds::pod::{
+    LABEL_SANDBOX_UID, POD_CONTAINER, REASON_POD_DELETED, REASON_POD_EVICTED,
+    REASON_WAITING_FOR_POD, pod_name,
+};
+use ramify_crds::{Sandbox as SandboxObj, SandboxPhase};
+use serde_json::json;
+use tracing::{info, instrument, warn};
+
+use super::{Agent, Handle};
+use crate::error::Result;
+
+/// A sandbox waiting for its Pod is looked at again after this long even without a
+/// Pod event (a safety net: Pod events wake it at once).
+const POD_RECHECK: Duration = Duration::from_secs(30);
+
+/// The Pods this agent watches: on its node, backing a Sandbox.
+pub fn watch_config(node: &str) -> watcher::Config {
+    watcher::Config::default()
+        .fields(&format!("spec.nodeName={node}"))
+        .labels(LABEL_SANDBOX_UID)
+        .any_semantic()
+}
+
+/// The UID of the Sandbox controlling `pod`, if one does.
+fn controller_uid(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .owner_references
+        .as_ref()?
+        .iter()
+        .find(|o| o.controller == Some(true) && o.kind == "Sandbox")
+        .map(|o| o.uid.as_str())
+}
+
+/// The Sandbox a Pod event concerns (its controller), for the Sandbox controller.
+pub fn sandbox_of(pod: &Pod) -> Option<ObjectRef<DeserializeGuard<SandboxObj>>> {
+    let owner = pod
+        .metadata
+        .owner_references
+        .as_ref()?
+        .iter()
+        .find(|o| o.controller == Some(true) && o.kind == "Sandbox")?;
+    Some(ObjectRef::new(&owner.name).within(&pod.namespace().unwrap_or_default()))
+}
+
+/// Whether the Pod's `ramify-pod` container runs, or what it is doing instead.
+fn container_state(pod: &Pod) -> std::result::Result<(), String> {
+    let st = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == POD_CONTAINER))
+        .and_then(|c| c.state.as_ref());
+    match st {
+        Some(s) if s.running.is_some() => Ok(()),
+        Some(s) => match (&s.waiting, &s.terminated) {
+            (Some(w), _) => Err(format!(
+                "waiting: {}",
+                w.reason.as_deref().unwrap_or("no reason given")
+            )),
+            (None, Some(t)) => Err(format!(
+                "terminated: {}, exit code {}",
+                t.reason.as_deref().unwrap_or("no reason given"),
+                t.exit_code
+            )),
+            (None, None) => Err("no state reported".into()),
+        },
+        None => Err("not started yet".into()),
+    }
+}
+
+/// Before a start: the UID of the Pod the sandbox may start in, or what it waits for.
+pub fn ready_to_start(
+    pod: Option<&Pod>,
+    sandbox_uid: &str,
+    key: &str,
+    node: &str,
+) -> std::result::Result<String, String> {
+    let Some(pod) = pod else {
+        return Err(format!(
+            "waiting for its Pod {key} to be scheduled to node {node}"
+        ));
+    };
+    if controller_uid(pod) != Some(sandbox_uid) {
+        return Err(format!(
+            "waiting for its Pod {key}: the Pod of that name is not controlled by this Sandbox"
+        ));
+    }
+    if pod.metadata.deletion_timestamp.is_some() {
+        return Err(format!("waiting for its Pod {key}: it is being deleted"));
+    }
+    let on = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    if on != Some(node) {
+        return Err(format!(
+            "waiting for its Pod {key} to be scheduled to node {node} (it is on {})",
+            on.unwrap_or("no node yet")
+        ));
+    }
+    if let Err(state) = container_state(pod) {
+        return Err(format!(
+            "waiting for container {POD_CONTAINER} of its Pod {key} to run ({state})"
+        ));
+    }
+    let uid = pod.uid().unwrap_or_default();
+    if uid.is_empty() {
+        return Err(format!("waiting for its Pod {key}: it has no UID yet"));
+    }
+    Ok(uid)
+}
+
+/// Why a sandbox placed in the Pod with `placed_uid` must end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodGone {
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// While a sandbox lives in the Pod with `placed_uid`: why it must end, if it must.
+/// Evictions are told apart from plain deletions (a drain or a preemption marks the
+/// Pod `DisruptionTarget` before deleting it). Once the sandbox has `ended`, its Pod's
+/// container exits by design (the exit file): only the Pod's deletion counts then.
+pub fn gone(pod: Option<&Pod>, placed_uid: &str, key: &str, ended: bool) -> Option<PodGone> {
+    let deleted = |message: String| {
+        Some(PodGone {
+            reason: REASON_POD_DELETED,
+            message,
+        })
+    };
+    let evicted = |message: String| {
+        Some(PodGone {
+            reason: REASON_POD_EVICTED,
+            message,
+        })
+    };
+    let Some(pod) = pod else {
+        return deleted(format!("its Pod {key} was deleted"));
+    };
+    if pod.uid().as_deref() != Some(placed_uid) {
+        return deleted(format!(
+            "its Pod {key} was deleted (a Pod of that name now has another UID)"
+        ));
+    }
+    let status = pod.status.as_ref();
+    let disruption = status.and_then(|s| s.conditions.as_ref()).and_then(|cs| {
+        cs.iter()
+            .find(|c| c.type_ == "DisruptionTarget" && c.status == "True")
+    });
+    if let Some(c) = disruption {
+        return evicted(format!(
+            "its Pod {key} was evicted ({}): {}",
+            c.reason.as_deref().unwrap_or("DisruptionTarget"),
+            c.message.as_deref().unwrap_or("no message given")
+        ));
+    }
+    if status.and_then(|s| s.reason.as_deref()) == Some("Evicted") {
+        return evicted(format!(
+            "its Pod {key} was evicted: {}",
+            status
+                .and_then(|s| s.message.as_deref())
+                .unwrap_or("no message given")
+        ));
+    }
+    if pod.metadata.deletion_timestamp.is_some() {
+        return deleted(format!("its Pod {key} is being deleted"));
+    }
+    if !ended
+        && let Err(state) = container_state(pod)
+        && state.starts_with("terminated")
+    {
+        return evicted(format!(
+            "the container {POD_CONTAINER} of its Pod {key} ended while the sandbox ran ({state})"
+        ));
+    }
+    None
+}
+
+/// Whether the Sandbox's processes ended (as reported).
+fn ended(obj: &SandboxObj) -> bool {
+    obj.status.as_ref().is_some_and(|s| {
+        matches!(
+            s.phase,
+            SandboxPhase::Failed | SandboxPhase::Succeeded | SandboxPhase::Aborted
+        )
+    })
+}
+
+impl Agent {
+    /// The Pods store, once it holds its first full list (`None` before, and in
+    /// standalone mode).
+    fn pods_synced(&self) -> Option<&kube::runtime::reflector::Store<Pod>> {
+        let store = self.cache.get()?.pods.as_ref()?;
+        matches!(store.wait_until_ready().now_or_never(), Some(Ok(()))).then_some(store)
+    }
+
+    fn pod_key(obj: &SandboxObj) -> (String, String) {
+        let ns = obj.namespace().unwrap_or_default();
+        let name = pod_name(&obj.name_any());
+        (format!("{ns}/{name}"), name)
+    }
+
+    /// Cluster mode, before a start: the UID of the Pod to start the sandbox in, or
+    /// the action to wait with (its status says what it waits for).
+    pub(super) async fn pod_to_start_in(
+        &self,
+        obj: &SandboxObj,
+        uid: &str,
+    ) -> std::result::Result<String, Action> {
+        let Some(store) = self.pods_synced() else {
+            return Err(Action::requeue(Duration::from_secs(1)));
+        };
+        let (key, name) = Self::pod_key(obj);
+        let pod = store.get(&ObjectRef::new(&name).within(&obj.namespace().unwrap_or_default()));
+        match ready_to_start(pod.as_deref(), uid, &key, &self.cfg.node) {
+            Ok(pod_uid) => Ok(pod_uid),
+            Err(message) => {
+                self.note_waiting(obj, REASON_WAITING_FOR_POD, message)
+                    .await;
+                Err(Action::requeue(POD_RECHECK))
+            }
+        }
+    }
+
+    /// Cluster mode, for a sandbox held here: why it must end because of its Pod.
+    pub(super) fn pod_gone(&self, obj: &SandboxObj, uid: &str) -> Option<PodGone> {
+        let placed_uid = self.placed_pods.lock().ok()?.get(uid).cloned()?;
+        let store = self.pods_synced()?;
+        let (key, name) = Self::pod_key(obj);
+        let pod = store.get(&ObjectRef::new(&name).within(&obj.namespace().unwrap_or_default()));
+        gone(
+            pod.as_deref(),
+            &placed_uid,
+            &key,
+            self.has_ended(obj, &placed_uid),
+        )
+    }
+
+    /// Whether the sandbox in the Pod with `pod_uid` ended: as reported, or as told
+    /// to the Pod (the exit file is written before the report, and the watch may still
+    /// deliver the Sandbox as Running while its Pod's container already exited).
+    fn has_ended(&self, obj: &SandboxObj, pod_uid: &str) -> bool {
+        ended(obj)
+            || ramify_crds::pod::pod_volume_on_host(&self.cfg.kubelet_root_dir, pod_uid)
+                .join(ramify_crds::pod::POD_EXIT_FILE)
+                .exists()
+    }
+
+    /// Its Pod is gone (or going): the sandbox is destroyed, and a Sandbox that had not
+    /// ended fails saying why (the Pod's deletion is not the workload's). A sandbox that
+    /// had ended is only cleaned up: its Pod's cgroup and netns must not be held.
+    #[instrument(skip_all, fields(sandbox = %obj.name_any(), reason = why.reason))]
+    pub(super) async fn end_for_pod(
+        &self,
+        obj: &SandboxObj,
+        uid: &str,
+        h: Handle,
+        why: PodGone,
+    ) -> Result<Action> {
+        // A branch run lets go of the sandbox at once.
+        if let Ok(r) = self.runners.lock()
+            && let Some(stop) = r.get(uid)
+        {
+            stop.send_replace(true);
+        }
+        let mut guard = h.lock().await;
+        let Some(sb) = guard.as_ref() else {
+            return Ok(Action::await_change());
+        };
+        let pod_uid = sb
+            .placed
+            .pod
+            .as_ref()
+            .map(|p| p.uid.as_str())
+            .unwrap_or_default();
+        if !self.has_ended(obj, pod_uid) {
+            warn!(id = %sb.id, message = %why.message, "the sandbox's Pod is gone: destroying it");
+            // Said first: a failed teardown is retried with the Sandbox already Failed.
+            self.write_sandbox_status(
+                obj,
+                SandboxPhase::Failed,
+                Some(sb),
+                (false, why.reason, why.message.clone()),
+                json!({}),
+            )
+            .await?;
+            self.metrics.failed("sandbox", "pod_gone");
+            self.event(obj, true, why.reason, why.message.clone()).await;
+        } else {
+            info!(id = %sb.id, message = %why.message, "the ended sandbox's Pod is gone: cleaning it up");
+        }
+        if let Err(e) = self.engine.teardown(sb).await {
+            self.cleanup_failed(obj, "destroy after its Pod went", &e);
+            return Err(e);
+        }
+        *guard = None;
+        drop(guard);
+        self.take_handle(uid);
+        self.forget_branch(uid);
+        self.admission.capacity.leave(uid);
+        self.publish_capacity();
+        Ok(Action::await_change())
+    }
+
+    /// Cluster mode: a sandbox that could not start in its Pod (`pod_uid`) ends the Pod
+    /// too, failed; a failure to say so is logged and counted (the start's own failure
+    /// is what gets reported).
+    pub(super) fn fail_pod(&self, obj: &SandboxObj, pod_uid: &str) {
+        let volume = ramify_crds::pod::pod_volume_on_host(&self.cfg.kubelet_root_dir, pod_uid);
+        if let Err(e) = crate::pod_files::write_exit(&volume, Some(1)) {
+            self.cleanup_failed(obj, "end the Pod of a sandbox that did not start", &e);
+        }
+    }
+
+    /// Cluster mode: the Pod learns that its sandbox ended (its `ramify-pod` exits with
+    /// the code, so the Pod's phase follows the Sandbox's).
+    pub(super) fn write_pod_exit(
+        &self,
+        sb: &crate::engine::LocalSandbox,
+        code: Option<i32>,
+    ) -> Result<()> {
+        match &sb.placed.pod {
+            Some(pod) => crate::pod_files::write_exit(&pod.volume, code),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const NODE: &str = "n1";
+    const SBX: &str = "sbx-uid";
+
+    fn pod(json: serde_json::Value) -> Pod {
+        let mut base = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "w", "namespace": "ns", "uid": "pod-uid",
+                "ownerReferences": [{"apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+                    "name": "w", "uid": SBX, "controller": true}]},
+            "spec": {"nodeName": NODE, "containers": [{"name": POD_CONTAINER}]},
+            "status": {"containerStatuses": [{"name": POD_CONTAINER, "ready": true,
+                "restartCount": 0, "image": "i", "imageID": "",
+                "state": {"running": {}}}]}
+        });
+        merge(&mut base, json);
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+        match (a, b) {
+            (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+                for (k, v) in b {
+                    merge(a.entry(k).or_insert(serde_json::Value::Null), v);
+                }
+            }
+            (a, b) => *a = b,
+        }
+    }
+
+    #[test]
+    fn a_running_pod_of_this_sandbox_on_this_node_is_ready() {
+        assert_eq!(
+            ready_to_start(Some(&pod(json!({}))), SBX, "ns/w", NODE),
+            Ok("pod-uid".into())
+        );
+    }
+
+    #[test]
+    fn otherwise_it_says_what_it_waits_for() {
+        let wait = |p: Option<Pod>| ready_to_start(p.as_ref(), SBX, "ns/w", NODE).unwrap_err();
+        assert!(wait(None).contains("to be scheduled to node n1"));
+        let other = pod(json!({"metadata": {"ownerReferences": [{"apiVersion": "v1",
+            "kind": "Sandbox", "name": "w", "uid": "someone-else", "controller": true}]}}));
+        assert!(wait(Some(other)).contains("not controlled by this Sandbox"));
+        let deleting = pod(json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}));
+        assert!(wait(Some(deleting)).contains("being deleted"));
+        let elsewhere = pod(json!({"spec": {"nodeName": "n2"}}));
+        assert!(wait(Some(elsewhere)).contains("(it is on n2)"));
+        let creating = pod(
+            json!({"status": {"containerStatuses": [{"name": POD_CONTAINER,
+            "ready": false, "restartCount": 0, "image": "i", "imageID": "",
+            "state": {"waiting": {"reason": "ContainerCreating"}}}]}}),
+        );
+        let m = wait(Some(creating));
+        assert!(
+            m.contains("container sandbox") && m.contains("ContainerCreating"),
+            "{m}"
+        );
+        let no_status = pod(json!({"status": {"containerStatuses": []}}));
+        assert!(wait(Some(no_status)).contains("not started yet"));
+    }
+
+    #[test]
+    fn a_live_pod_keeps_its_sandbox() {
+        assert_eq!(gone(Some(&pod(json!({}))), "pod-uid", "ns/w", false), None);
+    }
+
+    #[test]
+    fn deletion_and_eviction_end_the_sandbox_with_their_reasons() {
+        let g = |p: Option<Pod>| gone(p.as_ref(), "pod-uid", "ns/w", false).unwrap();
+        assert_eq!(g(None).reason, REASON_POD_DELETED);
+        let replaced = pod(json!({"metadata": {"uid": "new-uid"}}));
+        assert_eq!(g(Some(replaced)).reason, REASON_POD_DELETED);
+        let deleting = pod(json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}));
+        assert_eq!(g(Some(deleting)).reason, REASON_POD_DELETED);
+        let kubelet = pod(json!({"status": {"phase": "Failed", "reason": "Evicted",
+            "message": "The node was low on resource: memory."}}));
+        let e = g(Some(kubelet));
+        assert_eq!(e.reason, REASON_POD_EVICTED);
+        assert!(e.message.contains("low on resource"), "{}", e.message);
+        let drained = pod(
+            json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {"conditions": [{"type": "DisruptionTarget", "status": "True",
+                "reason": "EvictionByEvictionAPI", "message": "Eviction API: evicting"}]}}),
+        );
+        let e = g(Some(drained));
+        assert_eq!(e.reason, REASON_POD_EVICTED);
+        assert!(e.message.contains("EvictionByEvictionAPI"), "{}", e.message);
+        let died = pod(
+            json!({"status": {"containerStatuses": [{"name": POD_CONTAINER,
+            "ready": false, "restartCount": 0, "image": "i", "imageID": "",
+            "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}}),
+        );
+        let e = g(Some(died.clone()));
+        assert_eq!(e.reason, REASON_POD_EVICTED);
+        assert!(e.message.contains("OOMKilled"), "{}", e.message);
+        // Once the sandbox ended, its container exits by design; a deletion still counts.
+        assert_eq!(gone(Some(&died), "pod-uid", "ns/w", true), None);
+        assert!(gone(None, "pod-uid", "ns/w", true).is_some());
+    }
+
+    #[test]
+    fn pod_events_map_to_their_sandbox() {
+        let r = sandbox_of(&pod(json!({}))).unwrap();
+        assert_eq!(r.name, "w");
+        assert_eq!(r.namespace.as_deref(), Some("ns"));
+        let orphan = pod(json!({"metadata": {"ownerReferences": []}}));
+        assert!(sandbox_of(&orphan).is_none());
+    }
+}

@@ -1,0 +1,313 @@
+//! `ramify-pod [--dir /ramify]`: the one container of a Sandbox's Pod in cluster mode
+//! (see `ramify_crds::pod`). It follows the sandbox's console, which the node agent
+//! appends to `<dir>/console.log` (like `tail -F`: the file may not exist yet), onto its
+//! own stdout, so `kubectl logs` shows it; when the agent has written `<dir>/exit`, it
+//! copies what is left of the console and exits with that code, so the Pod's phase
+//! follows the sandbox's. SIGTERM and SIGINT end it at once (143, 130).
+//!
+//! The Pod must not end before its sandbox does: a console that cannot be read is said
+//! on stderr and looked at again, never fatal.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use ramify_crds::pod::{POD_CONSOLE_FILE, POD_EXIT_FILE, POD_MOUNT};
+use tokio::signal::unix::{SignalKind, signal};
+
+/// How often the console and the exit file are looked at.
+const POLL: Duration = Duration::from_millis(100);
+/// Exit code of an exit file that does not hold one.
+const BAD_EXIT_FILE: u8 = 1;
+const USAGE: &str = "usage: ramify-pod [--dir DIR]   (default DIR: /ramify)";
+
+/// Follows one append-only file from where it last stopped.
+struct Follower {
+    path: PathBuf,
+    offset: u64,
+}
+
+impl Follower {
+    fn new(path: PathBuf) -> Self {
+        Self { path, offset: 0 }
+    }
+
+    /// Copies what was appended since the last call to `out`; a file that does not exist
+    /// (yet) has nothing to copy. A file shorter than what was copied was replaced or
+    /// truncated: it is followed again from its start, as `tail -F` does.
+    fn pump(&mut self, out: &mut impl Write) -> io::Result<u64> {
+        let mut file = match File::open(&self.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        if file.metadata()?.len() < self.offset {
+            self.offset = 0;
+        }
+        file.seek(SeekFrom::Start(self.offset))?;
+        let mut buf = [0u8; 64 * 1024];
+        let mut copied = 0;
+        loop {
+            let n = match file.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            out.write_all(&buf[..n])?;
+            self.offset += n as u64;
+            copied += n as u64;
+        }
+        out.flush()?;
+        Ok(copied)
+    }
+}
+
+/// The exit code an exit file holds: decimal 0..=255, surrounding whitespace allowed.
+fn parse_exit(text: &str) -> Result<u8, String> {
+    let t = text.trim();
+    t.parse::<u8>()
+        .map_err(|_| format!("the exit file holds {t:?}, not an exit code (0..=255)"))
+}
+
+/// What one look at the directory found.
+#[derive(Debug, PartialEq, Eq)]
+enum Look {
+    /// The sandbox still runs.
+    Running,
+    /// The sandbox ended; the console has been copied to its end.
+    Exited(u8),
+}
+
+/// The console and the exit file of one sandbox.
+struct Watch {
+    console: Follower,
+    exit: PathBuf,
+    /// The last problem said on stderr (each is said once, not every poll).
+    last_error: Option<String>,
+}
+
+impl Watch {
+    fn new(dir: &Path) -> Self {
+        Self {
+            console: Follower::new(dir.join(POD_CONSOLE_FILE)),
+            exit: dir.join(POD_EXIT_FILE),
+            last_error: None,
+        }
+    }
+
+    /// One look: the exit file first, then the console, so that everything the agent
+    /// wrote before it wrote the exit file is copied before the exit.
+    fn look(&mut self, out: &mut impl Write, err: &mut impl Write) -> Look {
+        let exit = match std::fs::read_to_string(&self.exit) {
+            Ok(text) => Some(text),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => {
+                self.say(err, format!("reading {}: {e}", self.exit.display()));
+                None
+            }
+        };
+        self.copy(out, err);
+        match exit.map(|t| parse_exit(&t)) {
+            None => Look::Running,
+            Some(Ok(code)) => Look::Exited(code),
+            Some(Err(msg)) => {
+                let _ = writeln!(err, "ramify-pod: {}: {msg}", self.exit.display());
+                Look::Exited(BAD_EXIT_FILE)
+            }
+        }
+    }
+
+    /// Copies what is new in the console, saying (once) why when it cannot.
+    fn copy(&mut self, out: &mut impl Write, err: &mut impl Write) {
+        match self.console.pump(out) {
+            Ok(_) => self.last_error = None,
+            Err(e) => {
+                let msg = format!("following {}: {e}", self.console.path.display());
+                self.say(err, msg);
+            }
+        }
+    }
+
+    fn say(&mut self, err: &mut impl Write, msg: String) {
+        if self.last_error.as_deref() != Some(msg.as_str()) {
+            let _ = writeln!(err, "ramify-pod: {msg}");
+            self.last_error = Some(msg);
+        }
+    }
+}
+
+/// `--dir DIR` or `--dir=DIR`; nothing else.
+fn parse_args(args: impl IntoIterator<Item = String>) -> Result<PathBuf, String> {
+    let mut dir = PathBuf::from(POD_MOUNT);
+    let mut args = args.into_iter();
+    while let Some(a) = args.next() {
+        if a == "--dir" {
+            dir = args.next().ok_or("--dir needs a value")?.into();
+        } else if let Some(v) = a.strip_prefix("--dir=") {
+            dir = v.into();
+        } else {
+            return Err(format!("unexpected argument {a:?}"));
+        }
+    }
+    Ok(dir)
+}
+
+async fn follow(dir: &Path) -> io::Result<u8> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut watch = Watch::new(dir);
+    let (mut out, mut err) = (io::stdout(), io::stderr());
+    loop {
+        if let Look::Exited(code) = watch.look(&mut out.lock(), &mut err) {
+            return Ok(code);
+        }
+        let signalled = tokio::select! {
+            _ = tokio::time::sleep(POLL) => None,
+            _ = term.recv() => Some(143),
+            _ = int.recv() => Some(130),
+        };
+        if let Some(code) = signalled {
+            // What the console has now, then at once: the kubelet is stopping the Pod.
+            watch.copy(&mut out, &mut err);
+            return Ok(code);
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let dir = match parse_args(std::env::args().skip(1)) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("ramify-pod: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("ramify-pod: starting: {e}");
+            return ExitCode::from(BAD_EXIT_FILE);
+        }
+    };
+    match rt.block_on(follow(&dir)) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("ramify-pod: {e}");
+            ExitCode::from(BAD_EXIT_FILE)
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn append(path: &Path, text: &str) {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+    }
+
+    fn look(w: &mut Watch) -> (Look, String, String) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let l = w.look(&mut out, &mut err);
+        (
+            l,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+
+    #[test]
+    fn follows_a_console_that_appears_later_and_exits_with_its_code() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = Watch::new(dir.path());
+        assert_eq!(look(&mut w), (Look::Running, String::new(), String::new()));
+        append(&dir.path().join(POD_CONSOLE_FILE), "one\n");
+        assert_eq!(look(&mut w).1, "one\n");
+        assert_eq!(look(&mut w).1, "", "nothing new, nothing copied");
+        append(&dir.path().join(POD_CONSOLE_FILE), "two\nthr");
+        assert_eq!(look(&mut w), (Look::Running, "two\nthr".into(), "".into()));
+        // The rest of the console is copied before the exit.
+        append(&dir.path().join(POD_CONSOLE_FILE), "ee\nlast\n");
+        std::fs::write(dir.path().join(POD_EXIT_FILE), "42\n").unwrap();
+        assert_eq!(
+            look(&mut w),
+            (Look::Exited(42), "ee\nlast\n".into(), "".into())
+        );
+    }
+
+    #[test]
+    fn exits_without_a_console() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(POD_EXIT_FILE), "0").unwrap();
+        assert_eq!(
+            look(&mut Watch::new(dir.path())),
+            (Look::Exited(0), String::new(), String::new())
+        );
+    }
+
+    #[test]
+    fn an_exit_file_without_a_code_exits_1_saying_so() {
+        for text in ["", "256", "-1", "done", "1 2"] {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join(POD_EXIT_FILE), text).unwrap();
+            let (l, _, err) = look(&mut Watch::new(dir.path()));
+            assert_eq!(l, Look::Exited(1), "{text:?}");
+            assert!(err.contains("not an exit code"), "{text:?}: {err}");
+        }
+        assert_eq!(parse_exit(" 255\n"), Ok(255));
+    }
+
+    #[test]
+    fn a_truncated_console_is_followed_from_its_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(POD_CONSOLE_FILE);
+        let mut f = Follower::new(path.clone());
+        std::fs::write(&path, "a long first line\n").unwrap();
+        let mut out = Vec::new();
+        f.pump(&mut out).unwrap();
+        std::fs::write(&path, "new\n").unwrap();
+        f.pump(&mut out).unwrap();
+        assert_eq!(out, b"a long first line\nnew\n");
+    }
+
+    #[test]
+    fn an_unreadable_console_is_said_once_and_never_ends_the_pod() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory where the console should be: reading it fails.
+        std::fs::create_dir(dir.path().join(POD_CONSOLE_FILE)).unwrap();
+        let mut w = Watch::new(dir.path());
+        let (l, _, err) = look(&mut w);
+        assert_eq!(l, Look::Running);
+        assert!(err.contains("following"), "{err}");
+        assert_eq!(look(&mut w), (Look::Running, String::new(), String::new()));
+    }
+
+    #[test]
+    fn arguments() {
+        let args = |a: &[&str]| parse_args(a.iter().map(|s| s.to_string()));
+        assert_eq!(args(&[]), Ok(PathBuf::from("/ramify")));
+        assert_eq!(args(&["--dir", "/x"]), Ok(PathBuf::from("/x")));
+        assert_eq!(args(&["--dir=/y"]), Ok(PathBuf::from("/y")));
+        assert!(args(&["--dir"]).is_err());
+        assert!(args(&["/z"]).is_err());
+    }
+
+    #[tokio::test]
+    async fn follow_returns_the_exit_code() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(POD_EXIT_FILE), "7").unwrap();
+        assert_eq!(follow(dir.path()).await.unwrap(), 7);
+    }
+}
