@@ -133,6 +133,9 @@ pub const REASON_POD_DELETED: &str = "PodDeleted";
 /// The sandbox ended because its Pod was evicted (the kubelet's or the API's eviction,
 /// a drain).
 pub const REASON_POD_EVICTED: &str = "PodEvicted";
+/// Event reason on a parent whose sandbox, after a `Full` commit, runs in the winner's
+/// Pod: that Pod was handed to it (relabelled, re-owned) and its old Pod deleted.
+pub const REASON_POD_HANDED_OVER: &str = "PodHandedOver";
 
 /// Where the kubelet keeps a Pod's [`POD_VOLUME`] on its node.
 pub fn pod_volume_on_host(kubelet_root: &Path, pod_uid: &str) -> PathBuf {

@@ -220,6 +220,34 @@ impl Registry {
             .clone())
     }
 
+    /// ramify's own images (`hack/images/ramify.sh push TAG`: operator, api, node agent,
+    /// pod), built and pushed here; `ramify-images.json` as the script writes it.
+    pub fn push_ramify_images(&self, tag: &str) -> Result<serde_json::Value, HarnessError> {
+        let status = Command::new(repo_root().join("hack/images/ramify.sh"))
+            .args(["push", tag])
+            .env("RAMIFY_REGISTRY_DIR", &self.dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()?;
+        if !status.success() {
+            return Err(fail("hack/images/ramify.sh push failed (output above)"));
+        }
+        let bytes = std::fs::read(self.dir.join("ramify-images.json"))?;
+        serde_json::from_slice(&bytes).map_err(|e| fail(&format!("ramify-images.json: {e}")))
+    }
+
+    /// `ramify/pod` (cluster mode's Pod image) pushed by [`Self::push_ramify_images`], as
+    /// `repository@digest`.
+    pub fn ramify_pod_image(&self, tag: &str) -> Result<String, HarnessError> {
+        let v = self.push_ramify_images(tag)?;
+        let pod = &v["images"]["pod"];
+        match (pod["repository"].as_str(), pod["digest"].as_str()) {
+            (Some(r), Some(d)) => Ok(format!("{r}@{d}")),
+            _ => Err(fail("ramify-images.json lacks images.pod")),
+        }
+    }
+
     /// Moves the tag `busybox:moving` (first busybox:1's image) to busybox:v2's image
     /// and returns its new value.
     pub fn retag_busybox_v2(&self) -> Result<ImageRef, HarnessError> {

@@ -124,6 +124,32 @@ impl System {
         Self::start_configured(name, agent_args, agent_env, &[], None).await
     }
 
+    /// Cluster mode on the test bed's real node: the agent announces the kubelet's node
+    /// and finds Pods under its root, the operator runs `pod_image` in every Sandbox's
+    /// Pod; both pull from the loopback registry.
+    pub async fn start_cluster_mode(
+        name: &str,
+        node: &crate::node::RealNode,
+        pod_image: &str,
+    ) -> System {
+        let kubelet_root = node.dir.join("kubelet").to_string_lossy().into_owned();
+        Self::start_configured(
+            name,
+            &[
+                "--mode",
+                "cluster",
+                "--kubelet-root-dir",
+                &kubelet_root,
+                "--insecure-registry",
+                "loopback",
+            ],
+            &[],
+            &["--mode", "cluster", "--pod-image", pod_image],
+            Some(&node.name),
+        )
+        .await
+    }
+
     /// [`System::start_with`] with more operator flags, and the agent announcing
     /// `node_name` instead of a node of its own (a real kubelet's node, in cluster mode).
     pub async fn start_configured(

@@ -613,7 +613,7 @@ fn cluster_mode_is_a_value() {
     }
     let mut verbs = pod_rules(&objs, "ramify-operator");
     verbs.sort();
-    assert_eq!(verbs, ["create", "delete", "get", "list", "watch"]);
+    assert_eq!(verbs, ["create", "delete", "get", "list", "patch", "watch"]);
     let mut verbs = pod_rules(&objs, "ramify-node-agent");
     verbs.sort();
     assert_eq!(verbs, ["get", "list", "watch"]);

@@ -14,6 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, PostParams};
 use ramify_crds::capacity::{CONDITION_READY, CONDITION_SCHEDULED};
 use ramify_crds::pod::{
@@ -21,11 +22,10 @@ use ramify_crds::pod::{
     REASON_UNSCHEDULABLE,
 };
 use ramify_crds::{BranchSetPhase, ConditionsExt, Sandbox, SandboxPhase};
+use ramify_e2e::ControlPlane;
 use ramify_e2e::node::{RealNode, cgroup_roots};
 use ramify_e2e::registry::Registry;
 use ramify_e2e::system::System;
-use ramify_e2e::{ControlPlane, repo_root};
-use serde_json::Value;
 
 /// The test's cluster: the real node, and ramify's operator and node agent in cluster
 /// mode (the agent announcing the kubelet's node).
@@ -38,34 +38,9 @@ struct Bed {
     node_busybox: String,
 }
 
-/// `ramify/pod` as hack/images/ramify.sh pushes it: repository@digest.
-fn push_pod_image(reg: &Registry) -> String {
-    let status = Command::new(repo_root().join("hack/images/ramify.sh"))
-        .args(["push", "e2e-cluster"])
-        .env("RAMIFY_REGISTRY_DIR", reg.dir())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .status()
-        .expect("running hack/images/ramify.sh");
-    assert!(
-        status.success(),
-        "hack/images/ramify.sh push failed (output above)"
-    );
-    let v: Value =
-        serde_json::from_slice(&std::fs::read(reg.dir().join("ramify-images.json")).unwrap())
-            .unwrap();
-    let pod = &v["images"]["pod"];
-    format!(
-        "{}@{}",
-        pod["repository"].as_str().expect("images.pod.repository"),
-        pod["digest"].as_str().expect("images.pod.digest")
-    )
-}
-
 async fn bed(name: &str) -> Bed {
     let reg = Registry::shared().unwrap();
-    let pod_image = push_pod_image(&reg);
+    let pod_image = reg.ramify_pod_image("e2e-cluster").unwrap();
     let busybox = reg.image("busybox:1").unwrap().by_digest();
     let (node_busybox, _) = RealNode::busybox_image().unwrap();
     let cp = ControlPlane::ensure().unwrap();
@@ -76,22 +51,7 @@ async fn bed(name: &str) -> Bed {
         "cluster: node Ready {:.1}s after up.sh",
         node.ready_after.as_secs_f64()
     );
-    let kubelet_root = node.dir.join("kubelet");
-    let sys = System::start_configured(
-        name,
-        &[
-            "--mode",
-            "cluster",
-            "--kubelet-root-dir",
-            kubelet_root.to_str().unwrap(),
-            "--insecure-registry",
-            "loopback",
-        ],
-        &[],
-        &["--mode", "cluster", "--pod-image", &pod_image],
-        Some(&node.name),
-    )
-    .await;
+    let sys = System::start_cluster_mode(name, &node, &pod_image).await;
     Bed {
         sys,
         node,
@@ -120,6 +80,19 @@ impl Bed {
 
     fn pods(&self) -> Api<Pod> {
         Api::namespaced(self.sys.client.clone(), &self.sys.ns.name)
+    }
+
+    /// Waits until BranchSet `bs` ended; it must have committed `winner`.
+    async fn committed(&self, bs: &str, winner: &str) {
+        let got = self
+            .sys
+            .wait_branchset(bs, "ended", 300, |b| {
+                b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+            })
+            .await;
+        let st = got.status.unwrap();
+        assert_eq!(st.phase, BranchSetPhase::Committed, "{st:#?}");
+        assert_eq!(st.winner.as_deref(), Some(winner));
     }
 
     /// The Sandbox's phase now.
@@ -502,9 +475,10 @@ fn curl_nc(ip: &str) -> Option<String> {
 /// The scheduler and the API server decide for sandboxes as for Pods: a ResourceQuota
 /// for two Pods keeps the third sandbox Pending with the quota's message until room is
 /// freed, a node selector no node matches keeps one Pending with the scheduler's
-/// message, and a deleted or evicted Pod ends its sandbox, saying which.
+/// message, a deleted or evicted Pod ends its sandbox, saying which, and `kubectl
+/// drain` ends the node's sandboxes leaving nothing of them behind.
 #[tokio::test]
-async fn quotas_selectors_deletion_and_eviction_act_on_sandboxes() {
+async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
     let _one_node = RealNode::exclusive().await;
     let bed = bed("cluster-policy").await;
     bed.sys.apply(
@@ -566,20 +540,68 @@ async fn quotas_selectors_deletion_and_eviction_act_on_sandboxes() {
         !names.contains(&"a".into()) && !names.contains(&"b".into()),
         "{names:?}"
     );
+
+    // `kubectl drain` evicts the sandbox's Pod like any other (its controller is the
+    // Sandbox, so no --force; its emptyDir needs --delete-emptydir-data): the sandbox
+    // ends saying so, and nothing of it stays on the node.
+    let c_id = bed
+        .sys
+        .sandboxes()
+        .get("c")
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.sandbox_id)
+        .expect("c's sandbox id");
+    let drain = bed
+        .sys
+        .cp
+        .kubectl_run(
+            &[
+                "drain",
+                &bed.node.name,
+                "--ignore-daemonsets",
+                "--delete-emptydir-data",
+                "--timeout=180s",
+            ],
+            None,
+        )
+        .unwrap();
+    assert!(
+        drain.success,
+        "kubectl drain: {}{}",
+        drain.stdout, drain.stderr
+    );
+    let msg = bed.reason("c", CONDITION_READY, REASON_POD_EVICTED).await;
+    assert!(msg.to_lowercase().contains("evict"), "{msg}");
+    bed.phase("c", SandboxPhase::Failed, 60).await;
+    bed.until("nothing of the drained sandbox runs", 60, async || {
+        let ps = Command::new("pgrep").args(["-f", &c_id]).output().unwrap();
+        ps.stdout.is_empty() && ramify_cgroups_under_kubepods().is_empty()
+    })
+    .await;
+    let uncordon = bed
+        .sys
+        .cp
+        .kubectl_run(&["uncordon", &bed.node.name], None)
+        .unwrap();
+    assert!(uncordon.success, "{}", uncordon.stderr);
     bed.teardown().await;
 }
 
 /// A BranchSet forks a live sandbox in cluster mode: each branch is a Pod on the
 /// snapshot's node, restored from the snapshot inside it; the first branch that commits
-/// promotes its files (Paths) into the parent, the others' Pods go.
+/// promotes its files (Paths) into the parent, the others' Pods go. Then a Full commit:
+/// the winner's sandbox becomes the parent's, in the winner's Pod, which is handed to
+/// the parent, so the parent's Service reaches the winner's server.
 #[tokio::test]
-async fn a_branchset_forks_a_pod_backed_sandbox_and_commits_paths() {
+async fn a_branchset_forks_a_pod_backed_sandbox_and_commits_paths_then_full() {
     let _one_node = RealNode::exclusive().await;
     let bed = bed("cluster-fork").await;
     bed.sys.apply(&bed.sandbox(
         "workspace",
-        "mkdir -p /home/app/work && echo mode=slow > /home/app/work/app.conf; i=0; while true; do i=$((i+1)); echo $i > /home/app/count; sleep 0.2; done",
-        "",
+        "mkdir -p /home/app/work /home/app/www && echo mode=slow > /home/app/work/app.conf; echo workspace > /home/app/www/index.html; httpd -p 8080 -h /home/app/www; i=0; while true; do i=$((i+1)); echo $i > /home/app/count; sleep 0.2; done",
+        "  pod:\n    labels: {app: ramify-ws}\n",
     ));
     bed.phase("workspace", SandboxPhase::Running, 300).await;
     bed.sys.apply(
@@ -615,23 +637,7 @@ spec:
         on_node == 2
     })
     .await;
-    let bs = bed
-        .sys
-        .wait_branchset("try", "ended", 300, |b| {
-            b.status.as_ref().is_some_and(|s| {
-                matches!(
-                    s.phase,
-                    BranchSetPhase::Committed
-                        | BranchSetPhase::Exhausted
-                        | BranchSetPhase::Failed
-                        | BranchSetPhase::Conflict
-                )
-            })
-        })
-        .await;
-    let st = bs.status.unwrap();
-    assert_eq!(st.phase, BranchSetPhase::Committed, "{st:#?}");
-    assert_eq!(st.winner.as_deref(), Some("fast"));
+    bed.committed("try", "fast").await;
     bed.sys.wait_branches_gone("try", 120).await;
     bed.until("the branches' Pods are gone", 120, async || {
         bed.pods().get_opt("try-broken").await.unwrap().is_none()
@@ -640,5 +646,107 @@ spec:
     .await;
     let (code, conf) = bed.sys.exec("workspace", "cat /home/app/work/app.conf");
     assert_eq!((code, conf.as_str()), (0, "mode=fast"));
+
+    // A Full commit: the parent's Service follows its sandbox into the winner's Pod.
+    bed.sys.apply(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: ws}\nspec:\n  selector: {app: ramify-ws}\n  ports: [{port: 80, targetPort: 8080}]\n",
+    );
+    let cluster_ip = bed
+        .kubectl_ok(&["get", "service", "ws", "-o", "jsonpath={.spec.clusterIP}"])
+        .trim()
+        .to_string();
+    let url = format!("http://{cluster_ip}/");
+    bed.until("the Service reaches the workspace", 60, async || {
+        curl(&url).as_deref() == Some("workspace")
+    })
+    .await;
+    let parent_uid = bed
+        .sys
+        .sandboxes()
+        .get("workspace")
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    bed.sys.apply(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: whole
+spec:
+  source: {sandbox: workspace}
+  branches:
+    - name: one
+      run: ["/bin/sh", "-c", "echo one > /home/app/www/index.html"]
+    - name: two
+      run: ["/bin/sh", "-c", "echo two > /home/app/www/index.html"]
+  verdict:
+    command: ["/bin/sh", "-c", "grep -q two /home/app/www/index.html"]
+  commit:
+    mode: Full
+  timeoutSeconds: 240
+"#,
+    );
+    bed.committed("whole", "two").await;
+    bed.until("the Service reaches the winner's server", 120, async || {
+        curl(&url).as_deref() == Some("two")
+    })
+    .await;
+    bed.sys.wait_branches_gone("whole", 120).await;
+    // The parent's Pod is the winner's now: relabelled, owned by the parent; the
+    // parent's old Pod and the loser's are gone.
+    bed.until(
+        "the parent's old Pod and the loser's are gone",
+        120,
+        async || {
+            bed.pods().get_opt("workspace").await.unwrap().is_none()
+                && bed.pods().get_opt("whole-one").await.unwrap().is_none()
+        },
+    )
+    .await;
+    let ws = bed.phase("workspace", SandboxPhase::Running, 10).await;
+    let pod_ref = ws.status.unwrap().pod.expect("status.pod");
+    assert_eq!(pod_ref.name, "whole-two");
+    let selected = bed
+        .pods()
+        .list(&ListParams::default().labels("app=ramify-ws"))
+        .await
+        .unwrap();
+    let names: Vec<_> = selected.iter().map(|p| p.name_any()).collect();
+    assert_eq!(names, ["whole-two"]);
+    let pod = &selected.items[0];
+    let owners = pod.metadata.owner_references.clone().unwrap();
+    assert_eq!(owners.len(), 1, "{owners:?}");
+    assert_eq!(Some(&owners[0].uid), parent_uid.as_ref());
+    assert_eq!(owners[0].controller, Some(true));
+    assert_eq!(Some(pod_ref.uid.clone()), pod.metadata.uid);
+    assert_eq!(
+        pod.metadata.labels.as_ref().unwrap().get(LABEL_SANDBOX_UID),
+        parent_uid.as_ref()
+    );
+    // The workspace is the winner's: its files and its counting process, alive.
+    let (code, conf) = bed.sys.exec(
+        "workspace",
+        "cat /home/app/www/index.html /home/app/work/app.conf",
+    );
+    assert_eq!((code, conf.as_str()), (0, "two\nmode=fast"));
+    let (_, c1) = bed.sys.exec("workspace", "cat /home/app/count");
+    bed.until("the workspace keeps counting", 30, async || {
+        let (_, c2) = bed.sys.exec("workspace", "cat /home/app/count");
+        c2.parse::<u64>().unwrap_or(0) > c1.parse::<u64>().unwrap_or(u64::MAX)
+    })
+    .await;
+    // Deleting the parent deletes the Pod it holds.
+    bed.sys
+        .sandboxes()
+        .delete("workspace", &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.until(
+        "the handed-over Pod goes with its parent",
+        120,
+        async || bed.pods().get_opt("whole-two").await.unwrap().is_none(),
+    )
+    .await;
     bed.teardown().await;
 }

@@ -242,6 +242,12 @@ async fn create_branches(
         Ok::<_, crate::error::Error>(())
     });
     futures::future::try_join_all(creations).await?;
+    // Cluster mode: a branch is bound once its Pod is scheduled (pinned to the
+    // snapshot's node), by the Sandbox reconciler, with `status.pod`; a binding written
+    // here would race it and drop that.
+    if ctx.settings.mode == ramify_crds::pod::Mode::Cluster {
+        return Ok(());
+    }
     let bindings = branches.iter().map(|sbx| bind_branch(sandboxes, sbx));
     futures::future::try_join_all(bindings).await?;
     Ok(())

@@ -10,6 +10,7 @@ pub mod effects;
 pub mod error;
 pub mod expectations;
 pub mod gauges;
+pub mod handover;
 pub mod leader;
 pub mod metrics;
 pub mod nodes;

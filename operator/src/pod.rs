@@ -32,20 +32,9 @@ const TERMINATION_GRACE_SECONDS: i64 = 10;
 /// node part of `spec.pod.affinity`.
 pub fn build(sbx: &Sandbox, image: &str, node: Option<&str>) -> Result<Pod> {
     let name = sbx.name_any();
-    let uid = sbx
-        .uid()
-        .ok_or_else(|| Error::Invalid(format!("sandbox {name} has no uid")))?;
+    let owner = controller(sbx)?;
     let settings = sbx.spec.pod.clone().unwrap_or_default();
-
-    // The user's labels first: ramify's own win over any of the same key.
-    let mut labels = settings.labels;
-    labels.insert(LABEL_SANDBOX_UID.into(), uid.clone());
-    if name.len() <= LABEL_VALUE_MAX {
-        labels.insert(LABEL_SANDBOX.into(), name.clone());
-    } else {
-        labels.remove(LABEL_SANDBOX);
-    }
-    labels.insert(LABEL_MANAGED_BY.into(), "ramify".into());
+    let labels = labels(sbx)?;
 
     let mut affinity = settings.affinity;
     if let Some(node) = node {
@@ -98,14 +87,7 @@ pub fn build(sbx: &Sandbox, image: &str, node: Option<&str>) -> Result<Pod> {
             namespace: sbx.namespace(),
             labels: Some(labels),
             annotations: (!settings.annotations.is_empty()).then_some(settings.annotations),
-            owner_references: Some(vec![OwnerReference {
-                api_version: ramify_crds::API_VERSION.into(),
-                kind: "Sandbox".into(),
-                name,
-                uid,
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]),
+            owner_references: Some(vec![owner]),
             ..Default::default()
         },
         spec: Some(PodSpec {
@@ -139,6 +121,40 @@ pub fn build(sbx: &Sandbox, image: &str, node: Option<&str>) -> Result<Pod> {
             ..Default::default()
         }),
         status: None,
+    })
+}
+
+/// The labels of `sbx`'s Pod: `spec.pod.labels`, then ramify's own (which win over
+/// any of the same key).
+pub fn labels(sbx: &Sandbox) -> Result<BTreeMap<String, String>> {
+    let name = sbx.name_any();
+    let uid = sbx
+        .uid()
+        .ok_or_else(|| Error::Invalid(format!("sandbox {name} has no uid")))?;
+    let mut labels = sbx.spec.pod.clone().unwrap_or_default().labels;
+    labels.insert(LABEL_SANDBOX_UID.into(), uid);
+    if name.len() <= LABEL_VALUE_MAX {
+        labels.insert(LABEL_SANDBOX.into(), name);
+    } else {
+        labels.remove(LABEL_SANDBOX);
+    }
+    labels.insert(LABEL_MANAGED_BY.into(), "ramify".into());
+    Ok(labels)
+}
+
+/// `sbx` as the controlling owner of its Pod.
+pub fn controller(sbx: &Sandbox) -> Result<OwnerReference> {
+    let name = sbx.name_any();
+    let uid = sbx
+        .uid()
+        .ok_or_else(|| Error::Invalid(format!("sandbox {name} has no uid")))?;
+    Ok(OwnerReference {
+        api_version: ramify_crds::API_VERSION.into(),
+        kind: "Sandbox".into(),
+        name,
+        uid,
+        controller: Some(true),
+        block_owner_deletion: Some(true),
     })
 }
 

@@ -53,6 +53,10 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
 
     if sbx.metadata.deletion_timestamp.is_some() {
         crate::metrics::forget_phase(&ctx.metrics, "Sandbox", &ns, &name);
+        // A Full commit's winner: its Pod goes to the parent before it can go with it.
+        if ctx.settings.mode == Mode::Cluster {
+            crate::handover::reconcile(sbx, ctx).await?;
+        }
         return release_if_unbound_or_lost(sbx, &api, ctx).await;
     }
     crate::metrics::set_phase(
@@ -68,6 +72,9 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
     }
     if status.node_name.is_some() {
         if ctx.settings.mode == Mode::Cluster {
+            if crate::handover::reconcile(sbx, ctx).await? {
+                return Ok(Action::await_change()); // its status changed: seen again
+            }
             refresh_pod(sbx, &api, ctx).await?;
         }
         crate::self_fork::serve(sbx, ctx).await?;

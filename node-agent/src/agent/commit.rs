@@ -10,6 +10,8 @@
 //! - Crash-safe Full commit: the parent's record is pointed at the winner's sandbox
 //!   (with a pending record of what is left to do) before the old parent sandbox is
 //!   destroyed; a restarted agent finishes the job ([`Agent::finish_full_commit`]).
+//!   In cluster mode the winner's sandbox stays in the winner's Pod, which the operator
+//!   then hands to the parent; the winner's Sandbox keeps its finalizer until it has.
 
 use std::time::Instant;
 
@@ -29,18 +31,6 @@ use super::{Agent, now, writes};
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 use crate::fault;
-use ramify_crds::pod::Mode;
-
-/// The refusal of a Full commit in cluster mode (reported like any refused commit:
-/// `status.commitRefused` on the winner, the set ends in `Conflict`, nothing applied).
-fn full_commit_unavailable(fork: u64, parent_generation: u64) -> Conflict {
-    Conflict {
-        fork_generation: fork,
-        parent_generation,
-        paths: Vec::new(),
-        message: "Full commits are not available in cluster mode yet; use commit.mode Paths".into(),
-    }
-}
 
 /// At most this many changed files are listed in a status (the count is always exact).
 const MAX_LISTED_FILES: usize = 256;
@@ -206,18 +196,6 @@ impl Agent {
             .sandbox(&winner_uid)?
             .and_then(|r| r.fork_generation)
             .unwrap_or(0);
-        if bs.spec.commit.mode == CommitMode::Full && self.cfg.mode == Mode::Cluster {
-            // The winner's sandbox lives in the winner's Pod, which goes with the
-            // branch: it cannot become the parent's until Pods can be handed over.
-            let parent_generation = self
-                .registry
-                .sandbox(parent_uid)?
-                .map_or(0, |r| r.commits.generation);
-            return Ok(Applied::Refused(full_commit_unavailable(
-                fork,
-                parent_generation,
-            )));
-        }
         // Decided, so frozen: it runs again for its commit (and, when refused, waits
         // for its deletion frozen again).
         self.thaw_branch(&winner_uid).await?;
@@ -289,6 +267,13 @@ impl Agent {
                     .take()
                     .ok_or_else(|| Error::Invalid("winner already consumed".into()))?;
                 let old = std::mem::replace(p, w);
+                // Cluster mode: the parent runs in the winner's Pod from now on (the
+                // operator hands that Pod to it; the old one goes).
+                if let Some(pod) = &p.placed.pod
+                    && let Ok(mut m) = self.placed_pods.lock()
+                {
+                    m.insert(parent_uid.to_string(), pod.uid.clone());
+                }
                 // A parent that is itself a branch (nested sets) lives on in the
                 // winner's sandbox now.
                 self.rehome_branch(parent_uid, p);

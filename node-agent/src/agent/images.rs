@@ -95,7 +95,13 @@ impl Agent {
             .map(|c| c.reason.clone())
             .unwrap_or_default();
         let failed_before = prior == REASON_ERR_IMAGE_PULL || prior == REASON_IMAGE_PULL_BACKOFF;
-        if !failed_before && !self.images()?.cached(&reference, policy, &ns) {
+        let creds = self.credentials(&ns, &names, reference.registry()).await;
+        if !failed_before
+            && !creds.as_ref().is_ok_and(|c| {
+                self.images()
+                    .is_ok_and(|i| i.cached(&reference, policy, c, &ns))
+            })
+        {
             self.write_sandbox_status(
                 obj,
                 SandboxPhase::Starting,
@@ -106,7 +112,7 @@ impl Agent {
             .await?;
         }
         let got = async {
-            let creds = self.credentials(&ns, &names, reference.registry()).await?;
+            let creds = creds?;
             Ok::<_, Error>(
                 self.images()?
                     .ensure(&reference, policy, &creds, &ns)

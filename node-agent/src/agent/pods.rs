@@ -237,18 +237,42 @@ impl Agent {
         }
     }
 
-    /// Cluster mode, for a sandbox held here: why it must end because of its Pod.
+    /// Cluster mode, for a sandbox held here: why it must end because of its Pod. The
+    /// Pod is the one it was placed in, found by UID: after a Full commit a parent runs
+    /// in the winner's Pod, whose name is the winner's.
     pub(super) fn pod_gone(&self, obj: &SandboxObj, uid: &str) -> Option<PodGone> {
         let placed_uid = self.placed_pods.lock().ok()?.get(uid).cloned()?;
         let store = self.pods_synced()?;
-        let (key, name) = Self::pod_key(obj);
-        let pod = store.get(&ObjectRef::new(&name).within(&obj.namespace().unwrap_or_default()));
+        let pod = store
+            .state()
+            .into_iter()
+            .find(|p| p.uid().as_deref() == Some(placed_uid.as_str()));
+        let key = match &pod {
+            Some(p) => format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()),
+            None => Self::pod_key(obj).0,
+        };
         gone(
             pod.as_deref(),
             &placed_uid,
             &key,
             self.has_ended(obj, &placed_uid),
         )
+    }
+
+    /// Cluster mode: whether a Pod on this node still names the Sandbox with `uid` as
+    /// an owner. A Full commit's winner keeps its finalizer while its Pod (the parent's
+    /// sandbox runs in it) is not yet handed to the parent: the Pod would otherwise be
+    /// garbage-collected with the winner's Sandbox.
+    pub(super) fn pod_owned_by(&self, uid: &str) -> bool {
+        let Some(store) = self.pods_synced() else {
+            return true; // not known yet: wait for the list
+        };
+        store.state().iter().any(|p| {
+            p.metadata
+                .owner_references
+                .as_ref()
+                .is_some_and(|o| o.iter().any(|o| o.uid == uid))
+        })
     }
 
     /// Whether the sandbox in the Pod with `pod_uid` ended: as reported, or as told

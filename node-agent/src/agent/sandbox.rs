@@ -155,6 +155,16 @@ impl Agent {
             if self.admission.is_starting(&uid) {
                 return Ok(Action::requeue(Duration::from_millis(200)));
             }
+            // A Full commit's winner in cluster mode: the parent's sandbox runs in its
+            // Pod, which goes with this Sandbox until the operator hands it to the
+            // parent.
+            if self.cfg.mode == ramify_crds::pod::Mode::Cluster
+                && self.registry.sandbox(&uid)?.is_some_and(|r| r.handed_over)
+                && self.pod_owned_by(&uid)
+            {
+                info!("waiting for the operator to hand this winner's Pod to its parent");
+                return Ok(Action::requeue(Duration::from_secs(1)));
+            }
             // From here on nothing is started for it again, whatever copy of the
             // object a lagging watch still delivers; and no freeze targets it.
             self.admission.bury(&uid);

@@ -171,21 +171,33 @@ impl ImageStore {
         serde_json::from_slice(&b).ok()
     }
 
-    fn ref_path(&self, namespace: &str, reference: &str) -> PathBuf {
-        self.dir
-            .join("refs")
-            .join(namespace)
-            .join(format!("{}.json", sha256_hex(reference.as_bytes())))
+    /// Keyed by the credentials too: a sandbox is served from the cache only what the
+    /// registry gave its own namespace with its own credentials (anonymous included).
+    /// Another sandbox of the namespace without them asks the registry again, which
+    /// refuses it if it has no right to the image (as the kubelet's
+    /// "ensure secret pulled images" does).
+    fn ref_path(&self, namespace: &str, reference: &str, creds: &Credentials) -> PathBuf {
+        self.dir.join("refs").join(namespace).join(format!(
+            "{}-{}.json",
+            sha256_hex(reference.as_bytes()),
+            creds_fingerprint(creds)
+        ))
     }
 
-    fn ref_digest(&self, namespace: &str, reference: &str) -> Option<String> {
-        let b = std::fs::read(self.ref_path(namespace, reference)).ok()?;
+    fn ref_digest(&self, namespace: &str, reference: &str, creds: &Credentials) -> Option<String> {
+        let b = std::fs::read(self.ref_path(namespace, reference, creds)).ok()?;
         let r: RefRecord = serde_json::from_slice(&b).ok()?;
         (r.reference == reference).then_some(r.digest)
     }
 
-    fn write_ref(&self, namespace: &str, reference: &str, digest: &str) -> Result<()> {
-        let p = self.ref_path(namespace, reference);
+    fn write_ref(
+        &self,
+        namespace: &str,
+        reference: &str,
+        creds: &Credentials,
+        digest: &str,
+    ) -> Result<()> {
+        let p = self.ref_path(namespace, reference, creds);
         if let Some(parent) = p.parent() {
             crate::private::dir_all(parent)
                 .map_err(|e| ImageError::io(parent, std::io::Error::other(e.to_string())))?;
@@ -225,10 +237,16 @@ impl ImageStore {
     }
 
     /// Whether [`ImageStore::ensure`] would answer from the cache alone.
-    pub fn cached(&self, reference: &ImageRef, policy: ImagePullPolicy, namespace: &str) -> bool {
+    pub fn cached(
+        &self,
+        reference: &ImageRef,
+        policy: ImagePullPolicy,
+        creds: &Credentials,
+        namespace: &str,
+    ) -> bool {
         policy != ImagePullPolicy::Always
             && self
-                .ref_digest(namespace, &reference.given)
+                .ref_digest(namespace, &reference.given, creds)
                 .is_some_and(|d| self.record(&d).is_some())
     }
 
@@ -243,7 +261,7 @@ impl ImageStore {
     ) -> Result<PulledImage> {
         let t0 = Instant::now();
         if policy != ImagePullPolicy::Always
-            && let Some(d) = self.ref_digest(namespace, &reference.given)
+            && let Some(d) = self.ref_digest(namespace, &reference.given, creds)
             && self.record(&d).is_some()
         {
             return self.ready(&d, reference, false, t0);
@@ -252,7 +270,7 @@ impl ImageStore {
             return Err(ImageError::NeverPull(reference.given.clone()));
         }
         let mut got = self.pull(reference, creds).await?;
-        self.write_ref(namespace, &reference.given, &got.digest)?;
+        self.write_ref(namespace, &reference.given, creds, &got.digest)?;
         got.millis = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
         Ok(got)
     }
@@ -475,4 +493,16 @@ pub(super) fn compose_image(
         let _ = std::fs::remove_dir_all(&stage);
     }
     r
+}
+
+/// A short, one-way name for a set of credentials (never the password itself): what
+/// a cached reference was resolved with.
+fn creds_fingerprint(creds: &Credentials) -> String {
+    let h = match creds {
+        Credentials::Anonymous => sha256_hex(b"anonymous"),
+        Credentials::Basic { username, password } => {
+            sha256_hex(format!("basic\0{username}\0{password}").as_bytes())
+        }
+    };
+    h[..16].to_string()
 }
