@@ -193,6 +193,41 @@ impl RealNode {
             .collect()
     }
 
+    /// SIGKILLs the kubelet (a crash): the Pods' containers keep running under
+    /// containerd. Returns once the process is gone.
+    pub fn kill_kubelet(&self) -> Result<(), HarnessError> {
+        let pid = std::fs::read_to_string(self.dir.join("run/kubelet.pid"))?;
+        let pid = pid.trim();
+        Command::new("kill").args(["-KILL", pid]).status()?;
+        let proc_dir = Path::new("/proc").join(pid);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while proc_dir.exists() {
+            if Instant::now() > deadline {
+                return Err(HarnessError::Timeout(
+                    Duration::from_secs(10),
+                    format!("the kubelet (pid {pid}) to exit"),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Starts the killed kubelet again (`up.sh restart-kubelet`: the same flags, the
+    /// host's sysctls put back) and waits until the Node is Ready.
+    pub async fn restart_kubelet(&self, client: &Client) -> Result<(), HarnessError> {
+        let up = Self::script("up", &self.cp_dir, &self.dir)
+            .arg("restart-kubelet")
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !up.status.success() {
+            return Err(HarnessError::ControlPlane(
+                "hack/node/up.sh restart-kubelet failed (see its output above)".into(),
+            ));
+        }
+        self.wait_ready(client, READY_TIMEOUT).await
+    }
+
     /// Stops the node (down.sh): an error if it reported anything it could not remove.
     pub fn stop(&mut self) -> Result<(), HarnessError> {
         if self.stopped {

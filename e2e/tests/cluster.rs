@@ -95,6 +95,15 @@ impl Bed {
         assert_eq!(st.winner.as_deref(), Some(winner));
     }
 
+    /// The name of the Pod the Sandbox's status names (empty before it has one).
+    async fn current_pod(&self, name: &str) -> String {
+        let sbx = self.sys.sandboxes().get(name).await.unwrap();
+        sbx.status
+            .and_then(|s| s.pod)
+            .map(|p| p.name)
+            .unwrap_or_default()
+    }
+
     /// The Sandbox's phase now.
     async fn current_phase(&self, name: &str) -> SandboxPhase {
         let sbx = self.sys.sandboxes().get(name).await.unwrap();
@@ -591,7 +600,8 @@ async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
 
 /// A BranchSet forks a live sandbox in cluster mode: each branch is a Pod on the
 /// snapshot's node, restored from the snapshot inside it; the first branch that commits
-/// promotes its files (Paths) into the parent, the others' Pods go. Then a Full commit:
+/// promotes its files (Paths) into the parent, the others' Pods go. A branch whose Pod
+/// is evicted fails, saying so. Then a Full commit:
 /// the winner's sandbox becomes the parent's, in the winner's Pod, which is handed to
 /// the parent, so the parent's Service reaches the winner's server.
 #[tokio::test]
@@ -646,6 +656,42 @@ spec:
     .await;
     let (code, conf) = bed.sys.exec("workspace", "cat /home/app/work/app.conf");
     assert_eq!((code, conf.as_str()), (0, "mode=fast"));
+
+    // A branch whose Pod is evicted fails, saying so; its sibling runs on.
+    bed.sys.apply(
+        "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {name: held}\nspec:\n  source: {sandbox: workspace}\n  policy: Manual\n  branches: [{name: gone}, {name: kept}]\n  timeoutSeconds: 240\n",
+    );
+    bed.phase("held-gone", SandboxPhase::Running, 240).await;
+    bed.phase("held-kept", SandboxPhase::Running, 240).await;
+    bed.pods()
+        .evict("held-gone", &EvictParams::default())
+        .await
+        .unwrap();
+    let held = bed
+        .sys
+        .wait_branchset("held", "branch gone failed", 120, |b| {
+            b.status.as_ref().is_some_and(|s| {
+                s.branches
+                    .iter()
+                    .any(|b| b.name == "gone" && b.phase == ramify_crds::BranchPhase::Failed)
+            })
+        })
+        .await;
+    let x = held
+        .status
+        .unwrap()
+        .branches
+        .into_iter()
+        .find(|b| b.name == "gone")
+        .unwrap();
+    assert!(x.reason.contains("evicted"), "{}", x.reason);
+    assert_eq!(bed.current_phase("held-kept").await, SandboxPhase::Running);
+    bed.sys
+        .branchsets()
+        .delete("held", &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.sys.wait_branches_gone("held", 120).await;
 
     // A Full commit: the parent's Service follows its sandbox into the winner's Pod.
     bed.sys.apply(
@@ -748,5 +794,239 @@ spec:
         async || bed.pods().get_opt("whole-two").await.unwrap().is_none(),
     )
     .await;
+    bed.teardown().await;
+}
+
+/// Where a cluster-mode fault strikes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FaultStep {
+    /// Branch Pods exist, not every branch runs yet.
+    Fork,
+    /// The winner is decided, the commit not reported yet.
+    Commit,
+    /// Inside the agent's Full commit: the parent's record names the winner's sandbox
+    /// (in the winner's Pod), the old parent sandbox is not destroyed, no Pod handed over.
+    FullCommitSwap,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FaultVictim {
+    Kubelet,
+    NodeAgent,
+    Operator,
+}
+
+/// One cell of the cluster fault matrix on the shared bed: a workspace, a Full-commit
+/// BranchSet of two, `victim` SIGKILLed at `step` and brought back. Returns the outcome.
+async fn cluster_fault_cell(
+    bed: &mut Bed,
+    i: usize,
+    step: FaultStep,
+    victim: FaultVictim,
+) -> String {
+    let (ws, bs) = (format!("ws{i}"), format!("bs{i}"));
+    let fault_dir =
+        std::env::temp_dir().join(format!("ramify-cluster-fault-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&fault_dir).unwrap();
+    let marker = fault_dir.join(ramify_node_agent::fault::FULL_COMMIT_RECORDED);
+    if step == FaultStep::FullCommitSwap {
+        let dir = fault_dir.to_string_lossy().into_owned();
+        bed.sys.agent.set_env(
+            "RAMIFY_FAULT_HOLD",
+            Some(ramify_node_agent::fault::FULL_COMMIT_RECORDED),
+        );
+        bed.sys.agent.set_env("RAMIFY_FAULT_DIR", Some(&dir));
+        bed.sys.agent.kill().unwrap();
+        bed.sys.agent.start().unwrap();
+    }
+    bed.sys.apply(&bed.sandbox(
+        &ws,
+        "mkdir -p /home/app && echo start > /home/app/f; while true; do sleep 1; done",
+        "",
+    ));
+    bed.phase(&ws, SandboxPhase::Running, 300).await;
+    let old_pod = bed.current_pod(&ws).await;
+    bed.sys.apply(&format!(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: {bs}
+spec:
+  source: {{sandbox: {ws}}}
+  branches:
+    - name: a
+      run: ["/bin/sh", "-c", "sleep 1; echo a > /home/app/f"]
+    - name: b
+      run: ["/bin/sh", "-c", "sleep 1; echo b > /home/app/f"]
+  verdict:
+    command: ["/bin/sh", "-c", "grep -q b /home/app/f"]
+  commit:
+    mode: Full
+  timeoutSeconds: 240
+"#
+    ));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut hit = false;
+    while Instant::now() < deadline {
+        let st = bed
+            .sys
+            .branchsets()
+            .get_opt(&bs)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|b| b.status)
+            .unwrap_or_default();
+        hit = match step {
+            FaultStep::Fork => {
+                let pods = bed.pods().list(&ListParams::default()).await.unwrap();
+                let branch_pods = pods
+                    .items
+                    .iter()
+                    .filter(|p| p.name_any().starts_with(&format!("{bs}-")))
+                    .count();
+                branch_pods > 0
+                    && st
+                        .branches
+                        .iter()
+                        .any(|b| b.phase == ramify_crds::BranchPhase::Forking)
+            }
+            FaultStep::Commit => st.winner.is_some() && st.phase != BranchSetPhase::Committed,
+            FaultStep::FullCommitSwap => marker.exists(),
+        };
+        if hit || st.phase.is_ended() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    if step == FaultStep::FullCommitSwap {
+        assert!(
+            hit,
+            "{step:?}/{victim:?}: the agent never reached its hold point"
+        );
+    }
+    match victim {
+        FaultVictim::Kubelet => {
+            bed.node.kill_kubelet().unwrap();
+            bed.node.restart_kubelet(&bed.sys.client).await.unwrap();
+        }
+        FaultVictim::NodeAgent => {
+            bed.sys.agent.kill().unwrap();
+            bed.sys.agent.set_env("RAMIFY_FAULT_HOLD", None);
+            bed.sys.agent.start().unwrap();
+        }
+        FaultVictim::Operator => {
+            bed.sys.operator.kill().unwrap();
+            bed.sys.operator.start().unwrap();
+        }
+    }
+    // A held agent that was not the victim goes on from its hold point.
+    std::fs::remove_file(&marker).ok();
+    let got = bed
+        .sys
+        .wait_branchset(&bs, "ended", 240, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let st = got.status.unwrap();
+    let parent = bed.sys.sandboxes().get(&ws).await.unwrap();
+    let commits = parent.status.as_ref().map_or(0, |s| s.commits);
+    let (_, file) = bed.sys.exec(&ws, "cat /home/app/f");
+    let outcome = if st.phase == BranchSetPhase::Committed {
+        assert_eq!(
+            st.winner.as_deref(),
+            Some("b"),
+            "{step:?}/{victim:?}: {st:#?}"
+        );
+        assert_eq!(commits, 1, "{step:?}/{victim:?}: committed once");
+        assert_eq!(file, "b", "{step:?}/{victim:?}");
+        // The parent runs in the winner's Pod, handed to it; its old Pod is gone.
+        let winner_pod = format!("{bs}-b");
+        bed.until(
+            "the winner's Pod is handed to the parent",
+            120,
+            async || {
+                bed.current_pod(&ws).await == winner_pod
+                    && bed.pods().get_opt(&old_pod).await.unwrap().is_none()
+            },
+        )
+        .await;
+        "committed b once, Pod handed over".to_string()
+    } else {
+        assert_eq!(commits, 0, "{step:?}/{victim:?}: no half commit");
+        assert_eq!(file, "start", "{step:?}/{victim:?}");
+        let why = st
+            .conditions
+            .get_condition("Ready")
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        assert!(
+            !why.is_empty(),
+            "{step:?}/{victim:?}: an end without a winner says why"
+        );
+        format!(
+            "{:?}: {}",
+            st.phase,
+            why.chars().take(60).collect::<String>()
+        )
+    };
+    // Nothing of the set or its parent is left: no Pod, no sandbox (checked by the
+    // teardown at the end), no ramify cgroup under kubepods.
+    bed.sys
+        .branchsets()
+        .delete(&bs, &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.sys.wait_branches_gone(&bs, 120).await;
+    bed.sys
+        .sandboxes()
+        .delete(&ws, &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.until("no Pod of the cell is left", 120, async || {
+        let pods = bed.pods().list(&ListParams::default()).await.unwrap();
+        pods.items.is_empty() && ramify_cgroups_under_kubepods().is_empty()
+    })
+    .await;
+    std::fs::remove_dir_all(&fault_dir).ok();
+    format!(
+        "{}{outcome}; nothing left",
+        if hit {
+            ""
+        } else {
+            "(step passed before the kill) "
+        }
+    )
+}
+
+/// The fault matrix in cluster mode: the kubelet, the node agent and the operator
+/// SIGKILLed (and brought back) where a Pod-backed fork can lose something: while the
+/// branch Pods start, with the winner decided, and inside the agent's Full commit (the
+/// parent's record names the winner's sandbox, which lives in the winner's Pod, not
+/// yet handed to the parent). After each: one winner committed once and the parent in
+/// the winner's Pod, or an end with a reason and the parent untouched; no Pod, sandbox
+/// or cgroup left. The matrix is printed.
+#[tokio::test]
+async fn kubelet_agent_and_operator_killed_at_each_step_lose_nothing() {
+    let _one_node = RealNode::exclusive().await;
+    let mut bed = bed("cluster-faults").await;
+    let cells = [
+        (FaultStep::Fork, FaultVictim::Kubelet),
+        (FaultStep::Fork, FaultVictim::NodeAgent),
+        (FaultStep::Commit, FaultVictim::Kubelet),
+        (FaultStep::FullCommitSwap, FaultVictim::Kubelet),
+        (FaultStep::FullCommitSwap, FaultVictim::NodeAgent),
+        (FaultStep::FullCommitSwap, FaultVictim::Operator),
+    ];
+    let mut rows = Vec::new();
+    for (i, (step, victim)) in cells.into_iter().enumerate() {
+        let outcome = cluster_fault_cell(&mut bed, i, step, victim).await;
+        eprintln!("cluster fault: {step:?} x {victim:?}: {outcome}");
+        rows.push(format!("| {step:?} | {victim:?} | {outcome} |"));
+    }
+    println!("\n| step | killed | outcome |\n|---|---|---|");
+    for r in &rows {
+        println!("{r}");
+    }
     bed.teardown().await;
 }

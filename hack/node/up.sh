@@ -4,7 +4,8 @@
 # the kubelet, registered as Node $RAMIFY_NODE_NAME, and kube-proxy (iptables mode: Pods
 # reach Services, the `kubernetes` one included, by ClusterIP), and returns once the Node
 # is Ready and kube-proxy has programmed the Services. Prints the node directory. Stop it with down.sh (same environment), which
-# leaves nothing behind.
+# leaves nothing behind. `up.sh restart-kubelet` starts the kubelet of a running node
+# again after a test killed it.
 #
 # Everything the node writes lives under $RAMIFY_NODE_DIR, except what kubelet and
 # containerd do not let us move: the node IP on lo, the bridge, the kubepods cgroups,
@@ -61,6 +62,37 @@ ready() {
   [[ "$("${kubectl[@]}" get node "$name" \
     -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" == True ]]
 }
+# The kubelet, on the node this script set up (also `up.sh restart-kubelet`, after a
+# test killed it: its Pods' containers kept running under containerd).
+start_kubelet() {
+  log "starting kubelet $("$bin/kubelet" --version | awk '{print $2}') as node $name ($node_ip)"
+  start kubelet "$bin/kubelet" --config "$dir/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
+    --root-dir "$dir/kubelet" --cert-dir "$dir/pki" --hostname-override "$name" --node-ip "$node_ip" \
+    --v 1
+  wait_for kubelet 120 curl -sf "http://127.0.0.1:$healthz_port/healthz"
+  wait_for kubelet 120 ready
+  # kubelet sets these at start (vm.overcommit_memory=1, kernel.panic=10,
+  # kernel.panic_on_oops=1); this is a shared machine: put them back now it has.
+  local key value now
+  while IFS='=' read -r key value; do
+    [[ "$key" == net.ipv4.ip_forward ]] && continue # the CNI bridge needs it while Pods run
+    now="$(sysctl -n "$key")"
+    if [[ "$now" != "$value" ]]; then
+      log "putting back $key=$value (kubelet set $now)"
+      sysctl -qw "$key=$value" || die "cannot put back $key=$value"
+    fi
+  done <"$dir/host/sysctls"
+}
+# shellcheck source=../lib/daemon.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/daemon.sh"
+if [[ "${1:-}" == restart-kubelet ]]; then
+  [[ -f "$dir/kubelet.yaml" && -f "$dir/host/sysctls" ]] || die "no node in $dir to restart the kubelet of"
+  if [[ -f "$dir/run/kubelet.pid" ]] && kill -0 "$(cat "$dir/run/kubelet.pid")" 2>/dev/null; then
+    die "the kubelet of $dir still runs (pid $(cat "$dir/run/kubelet.pid"))"
+  fi
+  start_kubelet
+  echo "$dir"; exit 0
+fi
 if [[ -f "$dir/run/kubelet.pid" ]] && kill -0 "$(cat "$dir/run/kubelet.pid")" 2>/dev/null && ready; then
   log "already running ($dir)"; echo "$dir"; exit 0
 fi
@@ -202,8 +234,6 @@ state = "$ctrd/state"
   stream_server_port = "0"
 EOF
 
-# shellcheck source=../lib/daemon.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../lib/daemon.sh"
 ctr=("$bin/ctr" --address "$run/containerd.sock" -n k8s.io)
 
 log "starting containerd ($("$bin/containerd" --version | awk '{print $3}'))"
@@ -247,22 +277,7 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 EOF
 
-log "starting kubelet $("$bin/kubelet" --version | awk '{print $2}') as node $name ($node_ip)"
-start kubelet "$bin/kubelet" --config "$dir/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
-  --root-dir "$dir/kubelet" --cert-dir "$pki" --hostname-override "$name" --node-ip "$node_ip" \
-  --v 1
-wait_for kubelet 120 curl -sf "http://127.0.0.1:$healthz_port/healthz"
-wait_for kubelet 120 ready
-# kubelet sets these at start (vm.overcommit_memory=1, kernel.panic=10,
-# kernel.panic_on_oops=1); this is a shared machine: put them back now it has.
-while IFS='=' read -r key value; do
-  [[ "$key" == net.ipv4.ip_forward ]] && continue # the CNI bridge needs it while Pods run
-  now="$(sysctl -n "$key")"
-  if [[ "$now" != "$value" ]]; then
-    log "putting back $key=$value (kubelet set $now)"
-    sysctl -qw "$key=$value" || die "cannot put back $key=$value"
-  fi
-done <"$host/sysctls"
+start_kubelet
 
 cat >"$dir/kube-proxy.yaml" <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1

@@ -260,18 +260,25 @@ impl Agent {
     }
 
     /// Cluster mode: whether a Pod on this node still names the Sandbox with `uid` as
-    /// an owner. A Full commit's winner keeps its finalizer while its Pod (the parent's
-    /// sandbox runs in it) is not yet handed to the parent: the Pod would otherwise be
-    /// garbage-collected with the winner's Sandbox.
-    pub(super) fn pod_owned_by(&self, uid: &str) -> bool {
+    /// an owner while another sandbox held here runs in it. A Full commit's winner keeps
+    /// its finalizer until its Pod (the parent's sandbox runs in it) is handed to the
+    /// parent: the Pod would otherwise be garbage-collected with the winner's Sandbox.
+    /// A parent deleted meanwhile took its sandbox along: nothing to wait for then.
+    pub(super) fn pod_held_for_another(&self, uid: &str) -> bool {
         let Some(store) = self.pods_synced() else {
             return true; // not known yet: wait for the list
         };
+        let Ok(placed) = self.placed_pods.lock() else {
+            return true;
+        };
         store.state().iter().any(|p| {
-            p.metadata
+            let owned = p
+                .metadata
                 .owner_references
                 .as_ref()
-                .is_some_and(|o| o.iter().any(|o| o.uid == uid))
+                .is_some_and(|o| o.iter().any(|o| o.uid == uid));
+            let pod_uid = p.uid().unwrap_or_default();
+            owned && placed.iter().any(|(s, pu)| s != uid && *pu == pod_uid)
         })
     }
 

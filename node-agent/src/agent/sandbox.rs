@@ -160,7 +160,7 @@ impl Agent {
             // parent.
             if self.cfg.mode == ramify_crds::pod::Mode::Cluster
                 && self.registry.sandbox(&uid)?.is_some_and(|r| r.handed_over)
-                && self.pod_owned_by(&uid)
+                && self.pod_held_for_another(&uid)
             {
                 info!("waiting for the operator to hand this winner's Pod to its parent");
                 return Ok(Action::requeue(Duration::from_secs(1)));
