@@ -6,6 +6,7 @@
 //! says why and the test fails; it never skips.
 
 pub mod access;
+pub mod diagnostics;
 pub mod node;
 pub mod registry;
 pub mod scale;
@@ -418,8 +419,13 @@ impl Component {
     }
 
     /// The last `n` lines of its log (for failure messages).
+    /// The whole log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     pub fn log_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let text = self.log_text();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
     }

@@ -590,29 +590,6 @@ impl System {
         }
     }
 
-    pub fn diagnostics(&self) -> String {
-        let get = self
-            .cp
-            .kubectl_run(
-                &[
-                    "get",
-                    "sandboxes,snapshots,branchsets",
-                    "-n",
-                    &self.ns.name,
-                    "-o",
-                    "yaml",
-                ],
-                None,
-            )
-            .map(|o| o.stdout)
-            .unwrap_or_default();
-        format!(
-            "--- objects ---\n{get}\n--- operator log ---\n{}\n--- agent log ---\n{}",
-            self.operator.log_tail(30),
-            self.agent.log_tail(60)
-        )
-    }
-
     /// The parent every test forks: counts in memory, keeps config on disk. It asks
     /// 400m CPU, so with its three branches it fills the node's 1.6 CPU: every
     /// branch of these tests runs at once, as before admission.

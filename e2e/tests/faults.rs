@@ -239,6 +239,8 @@ async fn every_component_killed_at_every_step_loses_nothing() {
             if !only.is_empty() && !format!("{victim:?}").to_lowercase().contains(&only) {
                 continue;
             }
+            // Names the cell a failure belongs to (the result line comes after it).
+            println!("fault cell: {step:?} x {victim:?}");
             let outcome = run_cell(step, victim).await;
             println!("fault: {step:?} x {victim:?} -> {outcome}");
             rows.push((step, victim, outcome));

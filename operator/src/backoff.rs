@@ -97,10 +97,21 @@ mod tests {
     #[test]
     fn permanent_errors_are_told_from_transient_ones() {
         let api = |code| {
+            let reason = if code == 404 { "NotFound" } else { "" };
             Error::Kube(kube::Error::Api(
-                kube::core::Status::failure("", "").with_code(code).boxed(),
+                kube::core::Status::failure("", reason)
+                    .with_code(code)
+                    .boxed(),
             ))
         };
+        // A path not served yet (an API server starting) is retried, not reported.
+        let unserved = Error::Kube(kube::Error::Api(
+            kube::core::Status::failure("404 page not found", "Failed to parse error data")
+                .with_code(404)
+                .boxed(),
+        ));
+        assert!(!unserved.is_permanent());
+        assert_eq!(unserved.category(), "not_served");
         assert!(Error::Invalid("x".into()).is_permanent());
         assert!(
             Error::NotFound {

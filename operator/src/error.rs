@@ -71,9 +71,9 @@ impl ramify_runtime::settle::Classified for Error {
     }
 }
 
-/// Whether a kube error is a 404.
+/// Whether a kube error says the object does not exist (not a path not served).
 pub fn is_not_found(err: &kube::Error) -> bool {
-    matches!(err, kube::Error::Api(s) if s.code == 404)
+    ramify_runtime::api_error::is_object_not_found(err)
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -171,7 +171,9 @@ pub async fn reconcile(sbx: &Sandbox, ctx: &Context) -> Result<bool> {
         };
         match pods.delete(&old.name, &dp).await {
             Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e)
+                if ramify_runtime::api_error::is_object_not_found(&e)
+                    || matches!(&e, kube::Error::Api(s) if s.code == 409) => {}
             Err(e) => return Err(e.into()),
         }
     }

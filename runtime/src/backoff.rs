@@ -37,7 +37,9 @@ pub fn kube_category(err: &kube::Error) -> Option<&'static str> {
         return None;
     };
     Some(match s.code {
-        404 => "not_found",
+        404 if crate::api_error::is_object_not_found(err) => "not_found",
+        // A path not served (yet): an API server starting, a CRD being installed.
+        404 => "not_served",
         // Bad request, or refused by the schema (validation, CEL, immutable fields).
         400 | 422 => "invalid",
         409 => "conflict",
@@ -276,7 +278,14 @@ mod tests {
         assert_eq!(reason_of("invalid"), "Invalid");
         let api =
             |code| kube::Error::Api(kube::core::Status::failure("", "").with_code(code).boxed());
-        assert_eq!(kube_category(&api(404)), Some("not_found"));
+        let gone = kube::core::Status::failure("x not found", "NotFound").with_code(404);
+        assert_eq!(
+            kube_category(&kube::Error::Api(gone.boxed())),
+            Some("not_found")
+        );
+        // `404 page not found`: a path the API server does not serve yet, retried.
+        assert_eq!(kube_category(&api(404)), Some("not_served"));
+        assert!(!is_permanent("not_served"));
         assert_eq!(kube_category(&api(422)), Some("invalid"));
         assert_eq!(kube_category(&api(409)), Some("conflict"));
         assert_eq!(kube_category(&api(503)), Some("kube_api"));

@@ -23,7 +23,7 @@ where
     {
         Ok(_) => Ok(()),
         // Already gone: nothing holds it any more.
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) if crate::api_error::is_object_not_found(&e) => Ok(()),
         Err(e) => Err(e),
     }
 }

@@ -1,5 +1,6 @@
 //! Plumbing shared by the operator and the node agent.
 
+pub mod api_error;
 pub mod backoff;
 pub mod events;
 pub mod failure;

@@ -88,7 +88,7 @@ where
 
 /// Whether `err` is the API server's 404 (the object is gone).
 pub fn is_not_found(err: &WriteError) -> bool {
-    matches!(err, WriteError::Kube(kube::Error::Api(s)) if s.code == 404)
+    matches!(err, WriteError::Kube(e) if crate::api_error::is_object_not_found(e))
 }
 
 #[cfg(test)]

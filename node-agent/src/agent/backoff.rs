@@ -101,8 +101,11 @@ mod tests {
         );
         assert!(!Error::Join("x".into()).is_permanent());
         let api = |code| {
+            let reason = if code == 404 { "NotFound" } else { "" };
             Error::Kube(kube::Error::Api(
-                kube::core::Status::failure("", "").with_code(code).boxed(),
+                kube::core::Status::failure("", reason)
+                    .with_code(code)
+                    .boxed(),
             ))
         };
         assert!(api(404).is_permanent() && api(422).is_permanent());

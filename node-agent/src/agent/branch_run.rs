@@ -328,7 +328,9 @@ impl Agent {
             match sent {
                 Ok(_) => return Ok(()),
                 // Deleted (lost the race, or its BranchSet ended): nothing to report.
-                Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => return Ok(()),
+                Err(Error::Kube(e)) if ramify_runtime::api_error::is_object_not_found(&e) => {
+                    return Ok(());
+                }
                 // Still recorded on disk: the sandbox's reconcile sends it again.
                 Err(e) if attempts >= 8 => return Err(e),
                 Err(e) => {

@@ -140,7 +140,7 @@ impl UploadJob {
             .await;
             match r {
                 Ok(_) => return,
-                Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => return,
+                Err(Error::Kube(e)) if ramify_runtime::api_error::is_object_not_found(&e) => return,
                 Err(e) => {
                     warn!(snapshot = %self.name, error = %e, "writing status.storage failed; retrying");
                     tokio::time::sleep(wait).await;
