@@ -4,7 +4,9 @@
 //! ramify-api and the node-agent DaemonSet run as real Pods; a Sandbox from an image is
 //! forked by a BranchSet and committed through the installed release; `helm upgrade` to a
 //! new image tag keeps the running sandbox alive (the new agent re-adopts it); `helm
-//! uninstall` leaves the node without anything of ramify's. Driven as a user drives it:
+//! uninstall` leaves the node without anything of ramify's. Then the chart again in
+//! cluster mode: a Sandbox is a Pod of its name, forked into branch Pods and committed,
+//! and uninstalling leaves no Pod and no runsc process. Driven as a user drives it:
 //! helm, kubectl apply, kubectl wait on conditions, `kubectl ramify exec`.
 //!
 //! Needs the control plane to advertise the node IP (Pods reach the API server through
@@ -156,6 +158,40 @@ impl Bed {
         }
     }
 
+    /// `helm install` of the chart with `values`, then every rollout and the aggregated
+    /// API as a user checks them (helm --wait may return before the DaemonSet's Pod
+    /// exists).
+    fn install(&self, values: &Path) {
+        self.helm_ok(&[
+            "install",
+            RELEASE,
+            "charts/ramify",
+            "-n",
+            NS,
+            "--create-namespace",
+            "-f",
+            values.to_str().unwrap(),
+            "--wait",
+            "--timeout",
+            "5m",
+        ]);
+        for what in [
+            "daemonset/ramify-node-agent",
+            "deployment/ramify-operator",
+            "deployment/ramify-api",
+        ] {
+            self.rollout(what, 300);
+        }
+        self.wait(NS, "deployment/ramify-operator", "condition=Available", 120);
+        self.wait(NS, "deployment/ramify-api", "condition=Available", 120);
+        self.wait(
+            NS,
+            "apiservice/v1alpha1.subresources.ramify.dev",
+            "condition=Available",
+            120,
+        );
+    }
+
     /// `kubectl rollout status` of a workload in the release namespace.
     fn rollout(&self, what: &str, secs: u64) {
         let timeout = format!("--timeout={secs}s");
@@ -176,8 +212,13 @@ impl Bed {
     /// `kubectl ramify -n NS exec SANDBOX -- sh -c SCRIPT` (through ramify-api and the
     /// agent's endpoint): its stdout.
     fn ramify_exec(&self, sandbox: &str, script: &str) -> String {
+        self.ramify_exec_in(WORK_NS, sandbox, script)
+    }
+
+    /// [`Bed::ramify_exec`] in namespace `ns`.
+    fn ramify_exec_in(&self, ns: &str, sandbox: &str, script: &str) -> String {
         let mut cmd = Command::new(ramify_e2e::binary("kubectl-ramify").unwrap());
-        cmd.args(["-n", WORK_NS, "exec", sandbox, "--", "sh", "-c", script])
+        cmd.args(["-n", ns, "exec", sandbox, "--", "sh", "-c", script])
             .env("KUBECONFIG", &self.cp.kubeconfig)
             .env_remove("RAMIFY_AGENT_STATE_DIR");
         let out = run(cmd, "running kubectl-ramify");
@@ -418,36 +459,7 @@ async fn helm_install_fork_commit_upgrade_uninstall_on_the_real_node() {
     let values1 = bed.work.join("values-1.yaml");
     std::fs::write(&values1, values(&images, "e2e-1", reg.addr())).unwrap();
     let started = Instant::now();
-    bed.helm_ok(&[
-        "install",
-        RELEASE,
-        "charts/ramify",
-        "-n",
-        NS,
-        "--create-namespace",
-        "-f",
-        values1.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "5m",
-    ]);
-    // helm --wait may return before the DaemonSet's Pod exists: every rollout, as a
-    // user checks it.
-    for what in [
-        "daemonset/ramify-node-agent",
-        "deployment/ramify-operator",
-        "deployment/ramify-api",
-    ] {
-        bed.rollout(what, 300);
-    }
-    bed.wait(NS, "deployment/ramify-operator", "condition=Available", 120);
-    bed.wait(NS, "deployment/ramify-api", "condition=Available", 120);
-    bed.wait(
-        NS,
-        "apiservice/v1alpha1.subresources.ramify.dev",
-        "condition=Available",
-        120,
-    );
+    bed.install(&values1);
     let ready_after = started.elapsed();
     eprintln!(
         "helm: install to Ready in {:.1}s",
@@ -587,25 +599,7 @@ async fn helm_install_fork_commit_upgrade_uninstall_on_the_real_node() {
     bed.kubectl_ok(&["delete", "rootfsclass", HELM_CLASS], None);
 
     let fork_started = Instant::now();
-    bed.kubectl_ok(
-        &["-n", WORK_NS, "apply", "-f", "-"],
-        Some(
-            r#"apiVersion: ramify.dev/v1alpha1
-kind: BranchSet
-metadata: {name: try}
-spec:
-  source: {sandbox: app}
-  branches:
-    - name: broken
-      run: ["/bin/sh", "-c", "echo mode=broken > /home/app/app.conf"]
-    - name: fast
-      run: ["/bin/sh", "-c", "echo mode=fast > /home/app/app.conf"]
-  verdict:
-    command: ["/bin/sh", "-c", "grep -q mode=fast /home/app/app.conf"]
-  timeoutSeconds: 120
-"#,
-        ),
-    );
+    bed.kubectl_ok(&["-n", WORK_NS, "apply", "-f", "-"], Some(TRY_BRANCHSET));
     bed.wait(
         WORK_NS,
         "branchset/try",
@@ -799,8 +793,149 @@ spec:
         Vec::<String>::new(),
         "helm uninstall left the agent's bridge or cgroup parent on the node"
     );
+    cluster_mode(
+        &bed,
+        &images,
+        reg.addr(),
+        &busybox.reference,
+        &node.dir.join("kubelet"),
+    );
     node.stop().unwrap();
     for d in [STATE_DIR, ROOTFS_ROOT, ROOTFS_CACHE] {
         std::fs::remove_dir_all(d).unwrap_or_else(|e| panic!("removing {d}: {e}"));
     }
+}
+
+/// The namespace of the cluster-mode part.
+const CLUSTER_NS: &str = "helm-cluster";
+
+/// The same BranchSet in both modes: the branch that writes `mode=fast` wins.
+const TRY_BRANCHSET: &str = r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata: {name: try}
+spec:
+  source: {sandbox: app}
+  branches:
+    - name: broken
+      run: ["/bin/sh", "-c", "echo mode=broken > /home/app/app.conf"]
+    - name: fast
+      run: ["/bin/sh", "-c", "echo mode=fast > /home/app/app.conf"]
+  verdict:
+    command: ["/bin/sh", "-c", "grep -q mode=fast /home/app/app.conf"]
+  timeoutSeconds: 120
+"#;
+
+/// The chart installed again with `mode: cluster`: a Sandbox from an image is a Pod
+/// of its name on the node (ramify-pod from the local registry, no token, owned by the
+/// Sandbox, its console in `kubectl logs`), a BranchSet forks it into branch Pods and
+/// commits the winner, and uninstalling leaves no Pod and no runsc process.
+fn cluster_mode(bed: &Bed, images: &Images, registry: &str, busybox: &str, kubelet_root: &Path) {
+    let values_file = bed.work.join("values-cluster.yaml");
+    let base = values(images, "e2e-2", registry).replace(
+        "  reserve:",
+        &format!("  kubeletRootDir: {}\n  reserve:", kubelet_root.display()),
+    );
+    std::fs::write(
+        &values_file,
+        format!(
+            "{base}mode: cluster\npodImage: {{repository: \"{}\", tag: \"e2e-2\"}}\n",
+            images.repos["pod"]
+        ),
+    )
+    .unwrap();
+    let started = Instant::now();
+    bed.install(&values_file);
+    eprintln!(
+        "helm (cluster mode): install to Ready in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    bed.kubectl_ok(&["create", "namespace", CLUSTER_NS], None);
+    bed.kubectl_ok(
+        &["-n", CLUSTER_NS, "apply", "-f", "-"],
+        Some(&format!(
+            "apiVersion: ramify.dev/v1alpha1\nkind: Sandbox\nmetadata: {{name: app}}\nspec:\n  image: {busybox:?}\n  resources: {{cpu: 200m, memory: 128Mi}}\n  command: [\"/bin/sh\", \"-c\", \"echo hello from the sandbox; echo mode=slow > /home/app/app.conf; exec sleep 100000\"]\n"
+        )),
+    );
+    bed.wait(
+        CLUSTER_NS,
+        "sandbox/app",
+        "jsonpath={.status.phase}=Running",
+        300,
+    );
+    let pod = bed.json(&["-n", CLUSTER_NS, "get", "pod", "app"]);
+    assert_eq!(pod["status"]["phase"], "Running", "{pod:#}");
+    assert_eq!(pod["spec"]["automountServiceAccountToken"], false);
+    assert_eq!(pod["metadata"]["ownerReferences"][0]["kind"], "Sandbox");
+    assert!(
+        pod["spec"]["containers"][0]["image"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with(&images.repos["pod"]),
+        "the Pod runs {}, not the chart's podImage",
+        pod["spec"]["containers"][0]["image"]
+    );
+    let sbx = bed.json(&["-n", CLUSTER_NS, "get", "sandbox", "app"]);
+    assert_eq!(sbx["status"]["pod"]["name"], "app", "{sbx:#}");
+    // The console reaches `kubectl logs` (ramify-pod streams it).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let logs = bed.kubectl(&["-n", CLUSTER_NS, "logs", "app"], None);
+        if logs.stdout.contains("hello from the sandbox") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kubectl logs app: {}{}",
+            logs.stdout,
+            logs.stderr
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(
+        bed.ramify_exec_in(CLUSTER_NS, "app", "cat /home/app/app.conf"),
+        "mode=slow"
+    );
+
+    let fork_started = Instant::now();
+    bed.kubectl_ok(&["-n", CLUSTER_NS, "apply", "-f", "-"], Some(TRY_BRANCHSET));
+    bed.wait(
+        CLUSTER_NS,
+        "branchset/try",
+        "jsonpath={.status.phase}=Committed",
+        300,
+    );
+    let bs = bed.json(&["-n", CLUSTER_NS, "get", "branchset", "try"]);
+    assert_eq!(bs["status"]["winner"], "fast", "{bs:#}");
+    assert_eq!(
+        bed.ramify_exec_in(CLUSTER_NS, "app", "cat /home/app/app.conf"),
+        "mode=fast"
+    );
+    eprintln!(
+        "helm (cluster mode): BranchSet forked into branch Pods and committed in {:.1}s",
+        fork_started.elapsed().as_secs_f64()
+    );
+
+    for kind in ["branchset", "sandbox", "snapshot"] {
+        bed.kubectl_ok(
+            &[
+                "-n",
+                CLUSTER_NS,
+                "delete",
+                kind,
+                "--all",
+                "--wait=true",
+                "--timeout=120s",
+            ],
+            None,
+        );
+    }
+    bed.wait(CLUSTER_NS, "pods --all", "delete", 120);
+    bed.helm_ok(&["uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "3m"]);
+    bed.wait(NS, "pods --all", "delete", 120);
+    assert_eq!(
+        runsc_processes(),
+        Vec::<String>::new(),
+        "runsc processes left (cluster mode)"
+    );
+    bed.kubectl_ok(&["delete", "namespace", CLUSTER_NS, "--wait=false"], None);
 }
