@@ -657,6 +657,56 @@ spec:
     let (code, conf) = bed.sys.exec("workspace", "cat /home/app/work/app.conf");
     assert_eq!((code, conf.as_str()), (0, "mode=fast"));
 
+    // Nesting: a BranchSet forks a branch (its Pod), commits (Full) into it, and the
+    // branch then commits (Full) into the workspace through its control file, which a
+    // non-root image's user writes.
+    bed.sys.apply(
+        "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {name: outer}\nspec:\n  source: {sandbox: workspace}\n  branches: [{name: explore}]\n  timeoutSeconds: 300\n",
+    );
+    bed.phase("outer-explore", SandboxPhase::Running, 240).await;
+    bed.sys
+        .apply(&ramify_e2e::manifests::nested_inner_branchset(
+            "/home/app/work/nested",
+            240,
+        ));
+    bed.committed("inner", "left").await;
+    // The nested commit landed in the branch (now in the inner winner's Pod), not in
+    // the workspace.
+    assert_eq!(
+        bed.sys.exec("outer-explore", "cat /home/app/work/nested").1,
+        "left"
+    );
+    assert_ne!(
+        bed.sys.exec("workspace", "test -e /home/app/work/nested").0,
+        0
+    );
+    bed.until("the branch is in the inner winner's Pod", 120, async || {
+        bed.current_pod("outer-explore").await == "inner-left"
+    })
+    .await;
+    // The image runs as a non-root user: its control directory is its own.
+    assert_eq!(bed.sys.exec("outer-explore", "id -u").1, "1000");
+    let (code, identity) = bed
+        .sys
+        .exec("outer-explore", "cat /run/ramify/identity 2>&1");
+    assert!(
+        code == 0 && identity.starts_with('{'),
+        "the workload reads its identity: {code} {identity}"
+    );
+    assert_eq!(
+        bed.sys
+            .exec("outer-explore", "echo commit > /run/ramify/verdict")
+            .0,
+        0
+    );
+    bed.committed("outer", "explore").await;
+    assert_eq!(
+        bed.sys.exec("workspace", "cat /home/app/work/nested").1,
+        "left"
+    );
+    bed.sys.wait_branches_gone("outer", 120).await;
+    bed.sys.wait_branches_gone("inner", 120).await;
+
     // A branch whose Pod is evicted fails, saying so; its sibling runs on.
     bed.sys.apply(
         "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {name: held}\nspec:\n  source: {sandbox: workspace}\n  policy: Manual\n  branches: [{name: gone}, {name: kept}]\n  timeoutSeconds: 240\n",

@@ -180,21 +180,10 @@ spec:
             .is_some_and(|st| st.phase == SandboxPhase::Running)
     })
     .await;
-    sys.apply(
-        r#"apiVersion: ramify.dev/v1alpha1
-kind: BranchSet
-metadata:
-  name: inner
-spec:
-  source: {sandbox: outer-explore}
-  branches:
-    - name: left
-      run: ["/bin/sh", "-c", "echo left > /work/nested"]
-    - name: right
-      run: ["/bin/sh", "-c", "echo right > /work/nested; exit 1"]
-  timeoutSeconds: 120
-"#,
-    );
+    sys.apply(&ramify_e2e::manifests::nested_inner_branchset(
+        "/work/nested",
+        120,
+    ));
     let inner = sys.wait_branchset("inner", "ended", 180, committed).await;
     let ist = inner.status.unwrap();
     assert_eq!(ist.phase, BranchSetPhase::Committed, "{ist:#?}");

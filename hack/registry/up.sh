@@ -52,8 +52,10 @@ fi
 user="$(jq -r .username "$dir/credentials.json")"
 password="$(jq -r .password "$dir/credentials.json")"
 # The address is part of these files: rewrite them on every start (the port may change).
-jq --arg r "$addr" '. + {registry: $r}' "$dir/credentials.json" >"$dir/credentials.json.tmp"
-mv "$dir/credentials.json.tmp" "$dir/credentials.json"
+# A temporary file of its own: two starts at once never move each other's.
+creds_tmp="$(mktemp "$dir/credentials.json.XXXXXX")"
+jq --arg r "$addr" '. + {registry: $r}' "$dir/credentials.json" >"$creds_tmp"
+mv "$creds_tmp" "$dir/credentials.json"
 dockerconfig() { # user password
   jq -n --arg r "$addr" --arg u "$1" --arg p "$2" --arg a "$(printf '%s:%s' "$1" "$2" | base64 -w0)" \
     '{auths: {($r): {username: $u, password: $p, auth: $a}}}'

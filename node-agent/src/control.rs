@@ -417,8 +417,13 @@ pub fn remove_entry(p: &Path) -> std::io::Result<()> {
 /// no longer make the agent (root) overwrite a host file; an `effects` or `identity`
 /// that is not what it should be is replaced, not followed.
 pub fn write_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
     fs::create_dir_all(dir)?;
     ensure_real_dir(&dir.join(EFFECTS_DIR))?;
+    // The directory belongs to the workload's user (see `mount_control_dir`): so does
+    // `effects`, which the workload writes into (lchown: never through a symlink).
+    let owner = fs::metadata(dir)?;
+    std::os::unix::fs::lchown(dir.join(EFFECTS_DIR), Some(owner.uid()), Some(owner.gid()))?;
     let mut bytes = serde_json::to_vec(id).map_err(std::io::Error::other)?;
     bytes.push(b'\n');
     write_agent_file(dir, IDENTITY_FILE, &bytes)
@@ -439,6 +444,12 @@ pub fn write_agent_file(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
         f.write_all(bytes)?;
+        // Readable by the workload's user, who owns the directory (and only by them).
+        {
+            use std::os::unix::fs::MetadataExt as _;
+            let owner = fs::metadata(dir)?;
+            std::os::unix::fs::fchown(&f, Some(owner.uid()), Some(owner.gid()))?;
+        }
         drop(f);
         let target = dir.join(name);
         if fs::symlink_metadata(&target).is_ok_and(|m| m.file_type().is_dir()) {

@@ -16,11 +16,16 @@ pub const CONTROL_QUOTA_BYTES: u64 =
 pub const CONTROL_QUOTA_INODES: u64 = 4 * control::MAX_EFFECTS as u64;
 
 /// Mounts the size- and inode-limited tmpfs a sandbox's control directory lives on (a
-/// hostile workload cannot fill the node's disk through `/run/ramify`).
-pub(super) fn mount_control_dir(dir: &Path) -> Result<()> {
+/// hostile workload cannot fill the node's disk through `/run/ramify`), owned by the
+/// workload's user: an image that runs as a non-root `USER` must still write its
+/// verdict and its fork requests there (a root-owned 0700 directory refused it).
+pub(super) fn mount_control_dir(dir: &Path, user: Option<(u32, u32)>) -> Result<()> {
     use nix::mount::{MsFlags, mount};
     crate::private::dir_all(dir)?;
-    let opts = format!("size={CONTROL_QUOTA_BYTES},nr_inodes={CONTROL_QUOTA_INODES},mode=0700");
+    let (uid, gid) = user.unwrap_or((0, 0));
+    let opts = format!(
+        "size={CONTROL_QUOTA_BYTES},nr_inodes={CONTROL_QUOTA_INODES},mode=0700,uid={uid},gid={gid}"
+    );
     mount(
         Some("ramify-control"),
         dir,

@@ -118,7 +118,7 @@ impl Engine {
             return Err(e);
         }
         let rootfs = rootfs.path().to_path_buf();
-        if let Err(e) = mount_control_dir(&dir.join("control")) {
+        if let Err(e) = mount_control_dir(&dir.join("control"), workload.user) {
             crate::roots::unbind(&mount);
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
