@@ -7,6 +7,7 @@
 
 pub mod access;
 pub mod diagnostics;
+pub mod leftovers;
 pub mod manifests;
 pub mod node;
 pub mod registry;

@@ -12,6 +12,8 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::wait::await_condition;
 use ramify_crds::{BranchSet, LABEL_BRANCHSET, RootfsClass, Sandbox, SandboxPhase};
 
+use crate::leftovers::{bridge_rules, cgroup_roots, remove_cgroup_parents, rules_matching};
+pub use crate::leftovers::{ip_leases, node_leftovers, open_to_others};
 use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, repo_root};
 
 /// A running ramify: operator + one node agent, bound to one test namespace.
@@ -61,8 +63,8 @@ pub struct ExtraNode {
 const MAX_EXTRA_NODES: usize = 8;
 
 /// The e2e agent's bridge and subnet (never shared with a demo agent).
-const BRIDGE: &str = "rmye2e0";
-const SUBNET_PREFIX: &str = "10.89.";
+pub(crate) const BRIDGE: &str = "rmye2e0";
+pub(crate) const SUBNET_PREFIX: &str = "10.89.";
 
 /// The pinned current runsc (built from the Go module proxy, cached).
 pub fn runsc() -> PathBuf {
@@ -760,173 +762,4 @@ pub async fn declare_class(client: &Client, name: &str, path: &str, oci_ref: Opt
     )
     .await
     .unwrap_or_else(|e| panic!("RootfsClass {name}: {e}"));
-}
-
-/// Every path under an agent's state `dir` whose mode lets group or others in. Not
-/// checked, and not descended into: the mount points in `skip` (the sandboxes'
-/// read-only rootfs bind mounts: the administrator's root filesystem) and what a
-/// workload wrote to its own `/run/ramify` (below `sandboxes/<id>/control`: the gofer
-/// gives it the mode the workload chose). Both sit in a 0700 `sandboxes/<id>`.
-pub fn open_to_others(dir: &Path, skip: &[PathBuf]) -> Vec<String> {
-    use std::os::unix::fs::MetadataExt;
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        let Ok(md) = std::fs::symlink_metadata(&p) else {
-            continue;
-        };
-        let workload_written = p
-            .ancestors()
-            .skip(1)
-            .any(|a| a.file_name().is_some_and(|n| n == "control"));
-        if md.file_type().is_symlink() || skip.contains(&p) || workload_written {
-            continue;
-        }
-        if md.mode() & 0o077 != 0 {
-            out.push(format!("{:o} {}", md.mode() & 0o7777, p.display()));
-        }
-        if md.is_dir() {
-            for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
-                stack.push(e.path());
-            }
-        }
-    }
-    out
-}
-
-/// The cgroup v2 tree and every v1 hierarchy (whichever this host has).
-fn cgroup_roots() -> Vec<PathBuf> {
-    let mut roots = vec![PathBuf::from("/sys/fs/cgroup")];
-    roots.extend(
-        std::fs::read_dir("/sys/fs/cgroup")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path()),
-    );
-    roots
-}
-
-/// Removes the (empty) cgroup parents named `name` or, with a trailing `*`, starting
-/// with it, in every hierarchy.
-fn remove_cgroup_parents(name: &str) {
-    for root in cgroup_roots() {
-        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
-            let n = e.file_name().to_string_lossy().into_owned();
-            let hit = match name.strip_suffix('*') {
-                Some(prefix) => n.starts_with(prefix),
-                None => n == name,
-            };
-            if hit {
-                let _ = std::fs::remove_dir(e.path());
-            }
-        }
-    }
-}
-
-/// iptables rules that concern the e2e bridge or its subnet (every sandbox of an e2e
-/// agent has its rules tagged so; release removes them).
-fn bridge_rules() -> Vec<String> {
-    rules_matching(BRIDGE, SUBNET_PREFIX)
-}
-
-/// iptables rules that concern `bridge` or addresses starting with `subnet_prefix`.
-fn rules_matching(bridge: &str, subnet_prefix: &str) -> Vec<String> {
-    let out = Command::new("iptables")
-        .args(["-w", "5", "-S"])
-        .output()
-        .expect("iptables");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| {
-            l.contains(&format!("-i {bridge} ")) || l.contains(&format!("-s {subnet_prefix}"))
-        })
-        .map(str::to_string)
-        .collect()
-}
-
-/// The addresses leased by the agent whose state is in `state_dir` (host-local keeps
-/// one file per address).
-pub fn ip_leases(state_dir: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    for net in std::fs::read_dir(state_dir.join("ipam"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        for lease in std::fs::read_dir(net.path())
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let name = lease.file_name().to_string_lossy().into_owned();
-            if name.parse::<std::net::IpAddr>().is_ok() {
-                out.push(name);
-            }
-        }
-    }
-    out
-}
-
-/// Sandboxes and images of the agent whose state is in `state_dir`, any process that
-/// still mentions it, mounts under it, IP leases in its IPAM directory, and cgroups
-/// under its cgroup parent (read from the settings the agent wrote there).
-pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let sandboxes = state_dir.join("engine/sandboxes");
-    if let Ok(rd) = std::fs::read_dir(&sandboxes) {
-        for e in rd.flatten() {
-            let id = e.file_name().to_string_lossy().into_owned();
-            out.push(format!("sandbox directory {id}"));
-            if Path::new("/run/netns").join(&id).exists() {
-                out.push(format!("netns {id}"));
-            }
-        }
-    }
-    if let Ok(rd) = std::fs::read_dir(state_dir.join("engine/snapshots")) {
-        for e in rd.flatten() {
-            out.push(format!(
-                "snapshot image {}",
-                e.file_name().to_string_lossy()
-            ));
-        }
-    }
-    // An address still leased.
-    out.extend(
-        ip_leases(state_dir)
-            .into_iter()
-            .map(|a| format!("IP lease {a}")),
-    );
-    if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") {
-        let dir = state_dir.to_string_lossy();
-        for point in m.lines().filter_map(|l| l.split(' ').nth(4)) {
-            if point.starts_with(dir.as_ref()) {
-                out.push(format!("mount {point}"));
-            }
-        }
-    }
-    let parent = std::fs::read(state_dir.join("agent.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|v| v["cgroup_parent"].as_str().map(str::to_string));
-    if let Some(parent) = parent.filter(|p| !p.trim_matches('/').is_empty()) {
-        for root in cgroup_roots() {
-            let dir = root.join(parent.trim_start_matches('/'));
-            for child in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                if child.file_type().is_ok_and(|t| t.is_dir()) {
-                    out.push(format!("cgroup {}", child.path().display()));
-                }
-            }
-        }
-    }
-    let needle = state_dir.join("engine").to_string_lossy().into_owned();
-    if let Ok(rd) = std::fs::read_dir("/proc") {
-        for e in rd.flatten() {
-            let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&needle) {
-                out.push(format!("process {}", e.file_name().to_string_lossy()));
-            }
-        }
-    }
-    out
 }

@@ -11,11 +11,6 @@ pub fn is_object_not_found(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(s) if s.code == 404 && s.reason == "NotFound")
 }
 
-/// Whether `err` is a 404 for a path the API server does not serve (yet): no Status.
-pub fn is_not_served(err: &kube::Error) -> bool {
-    matches!(err, kube::Error::Api(s) if s.code == 404 && s.reason != "NotFound")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -33,10 +28,8 @@ mod tests {
         let unserved =
             api(Status::failure("404 page not found", "Failed to parse error data").with_code(404));
         assert!(is_object_not_found(&gone));
-        assert!(!is_not_served(&gone));
-        assert!(is_not_served(&unserved));
         assert!(!is_object_not_found(&unserved));
         let conflict = api(Status::failure("conflict", "Conflict").with_code(409));
-        assert!(!is_object_not_found(&conflict) && !is_not_served(&conflict));
+        assert!(!is_object_not_found(&conflict));
     }
 }
