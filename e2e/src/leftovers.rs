@@ -144,9 +144,9 @@ pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
             .map(|a| format!("IP lease {a}")),
     );
     if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") {
-        let dir = state_dir.to_string_lossy();
+        // By path components: `agent` is not a prefix of another node's `agent-n1`.
         for point in m.lines().filter_map(|l| l.split(' ').nth(4)) {
-            if point.starts_with(dir.as_ref()) {
+            if Path::new(point).starts_with(state_dir) {
                 out.push(format!("mount {point}"));
             }
         }
@@ -176,3 +176,31 @@ pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
     }
     out
 }
+
+/// What is on the node except the sandbox `keep` (its directory, netns, cgroups,
+/// mounts, processes and its IP lease all name its id).
+pub fn node_leftovers_except(state_dir: &Path, keep: &str) -> Vec<String> {
+    node_leftovers(state_dir)
+        .into_iter()
+        .filter(|l| !l.contains(keep))
+        .filter(|l| {
+            if let Some(ip) = l.strip_prefix("IP lease ") {
+                // host-local names the holder in the lease file.
+                return !std::fs::read_dir(state_dir.join("ipam"))
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .any(|net| {
+                        std::fs::read_to_string(net.path().join(ip)).is_ok_and(|c| c.contains(keep))
+                    });
+            }
+            if let Some(pid) = l.strip_prefix("process ") {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                return !String::from_utf8_lossy(&cmdline).contains(keep);
+            }
+            true
+        })
+        .collect()
+}
+
+// Two workers: the probe's timings never wait behind the test's own work.

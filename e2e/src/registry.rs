@@ -120,7 +120,8 @@ impl Registry {
         let addr = run(
             Command::new(script("hack/registry/up.sh"))
                 .env("RAMIFY_REGISTRY_DIR", &dir)
-                .env("RAMIFY_REGISTRY_PORT", port.to_string()),
+                .env("RAMIFY_REGISTRY_PORT", port.to_string())
+                .env("RAMIFY_REGISTRY_OWNER", std::process::id().to_string()),
             "hack/registry/up.sh",
         )?;
         let creds: serde_json::Value =
@@ -140,10 +141,15 @@ impl Registry {
         // that waits for EOF on its stdin, whose write end only this process holds
         // (close-on-exec), then runs down.sh. The kernel closes it when the process
         // exits, by a normal end, a panic or a kill. It ignores SIGINT so a Ctrl-C of
-        // the test run still cleans up.
+        // the test run still cleans up. It stops the registry only if no later test
+        // process has taken it over meanwhile (`--if-owner`).
         let reaper = Command::new("bash")
-            .args(["-c", "trap '' INT; read -r _ || true; exec \"$0\""])
+            .args([
+                "-c",
+                "trap '' INT; read -r _ || true; exec \"$0\" --if-owner \"$1\"",
+            ])
             .arg(script("hack/registry/down.sh"))
+            .arg(std::process::id().to_string())
             .env("RAMIFY_REGISTRY_DIR", &dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())

@@ -13,7 +13,7 @@ use kube::runtime::wait::await_condition;
 use ramify_crds::{BranchSet, LABEL_BRANCHSET, RootfsClass, Sandbox, SandboxPhase};
 
 use crate::leftovers::{bridge_rules, cgroup_roots, remove_cgroup_parents, rules_matching};
-pub use crate::leftovers::{ip_leases, node_leftovers, open_to_others};
+pub use crate::leftovers::{ip_leases, node_leftovers, node_leftovers_except, open_to_others};
 use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, repo_root};
 
 /// A running ramify: operator + one node agent, bound to one test namespace.
@@ -88,12 +88,25 @@ pub fn clean_earlier_runs() {
             return;
         };
         for e in rd.flatten() {
-            let agent = e.path().join("agent");
-            if agent.is_dir() {
+            // The system's agent (`agent`) and its extra nodes' (`agent-n1`, ...).
+            let agents: Vec<PathBuf> = std::fs::read_dir(e.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|a| a.path())
+                .filter(|a| {
+                    a.is_dir()
+                        && a.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("agent"))
+                })
+                .collect();
+            for agent in &agents {
                 let _ = Command::new(binary("ramify-node-agent").unwrap())
                     .args(["cleanup", "--state-dir"])
-                    .arg(&agent)
+                    .arg(agent)
                     .output();
+            }
+            if !agents.is_empty() {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
@@ -515,11 +528,17 @@ impl System {
     /// Runs a command in a sandbox through the agent's CLI (what `kubectl ramify exec`
     /// does on the node).
     pub fn exec(&self, sandbox: &str, cmd: &str) -> (i32, String) {
+        self.exec_on(&self.state_dir, sandbox, cmd)
+    }
+
+    /// [`System::exec`] on the node whose agent keeps its state in `state_dir` (an
+    /// extra node's).
+    pub fn exec_on(&self, state_dir: &Path, sandbox: &str, cmd: &str) -> (i32, String) {
         let out = Command::new(binary("ramify-node-agent").unwrap())
             .arg("--runsc")
             .arg(&self.runsc)
             .args(["exec", "--state-dir"])
-            .arg(&self.state_dir)
+            .arg(state_dir)
             .arg(format!("{}/{sandbox}", self.ns.name))
             .args(["--", "/bin/sh", "-c", cmd])
             .output()

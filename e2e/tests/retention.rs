@@ -186,6 +186,29 @@ fn store_bytes(sys: &System) -> u64 {
     walk(&sys.state_dir.join("engine/snapshots"))
 }
 
+/// Each image in the agent's store with its bytes on disk: what a failed quota check shows.
+fn store_listing(sys: &System) -> String {
+    let dir = sys.state_dir.join("engine/snapshots");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let one = |p: &std::path::Path| {
+            let mut s = 0;
+            for f in std::fs::read_dir(p).into_iter().flatten().flatten() {
+                if let Ok(m) = f.metadata() {
+                    s += if m.is_dir() { 0 } else { m.len() };
+                }
+            }
+            s
+        };
+        out.push(format!(
+            "{} {} bytes",
+            e.file_name().to_string_lossy(),
+            one(&e.path())
+        ));
+    }
+    out.join("; ")
+}
+
 async fn snapshot_phase(sys: &System, name: &str, want: SnapshotPhase) -> Snapshot {
     let snaps: Api<Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
     sys.wait_for(
@@ -244,16 +267,21 @@ async fn two_hundred_branchsets_in_a_loop_keep_the_store_under_its_quota() {
                 .replace("test $RAMIFY_BRANCH_INDEX -eq 1", "exit 1"),
         );
         let bs = sys.wait_branchset(&name, "ended", 120, ended).await;
+        let st = bs.status.unwrap();
         assert_eq!(
-            bs.status.unwrap().phase,
+            st.phase,
             BranchSetPhase::Exhausted,
-            "{name}: its one branch aborts"
+            "{name}: its one branch aborts: {:#?}\nstore: {}\n{}",
+            st.conditions,
+            store_listing(&sys),
+            sys.diagnostics()
         );
         let used = store_bytes(&sys);
         peak = peak.max(used);
         assert!(
             used <= quota,
-            "after {name}: the store holds {used} bytes, over its quota of {quota}"
+            "after {name}: the store holds {used} bytes, over its quota of {quota}: {}",
+            store_listing(&sys)
         );
     }
     let elapsed = t0.elapsed();
@@ -273,12 +301,16 @@ async fn two_hundred_branchsets_in_a_loop_keep_the_store_under_its_quota() {
         elapsed.as_secs_f64(),
         elapsed.as_secs_f64() / n as f64
     );
-    assert!(evicted >= n - 2, "only {evicted} of {n} evicted");
+    assert!(
+        evicted >= n - 2,
+        "only {evicted} of {n} evicted; store: {}",
+        store_listing(&sys)
+    );
 
     // What is referenced was never evicted, and restores.
     for s in ["keep", holder_snap.as_str()] {
-        let snap = snaps.get(s).await.unwrap();
-        assert_eq!(snap.status.unwrap().phase, SnapshotPhase::Ready, "{s}");
+        let st = snaps.get(s).await.unwrap().status.unwrap();
+        assert_eq!(st.phase, SnapshotPhase::Ready, "{s}: {:#?}", st.conditions);
     }
     sys.apply(&restored_yaml(&sys, "from-keep", "keep"));
     sys.apply(&restored_yaml(&sys, "from-holder", &holder_snap));
@@ -310,7 +342,12 @@ async fn two_hundred_branchsets_in_a_loop_keep_the_store_under_its_quota() {
                 },
             )
             .await;
-        assert!(store_bytes(&sys) <= quota);
+        let used = store_bytes(&sys);
+        assert!(
+            used <= quota,
+            "after {name}: the store holds {used} bytes, over its quota of {quota}: {}",
+            store_listing(&sys)
+        );
         if s.status.as_ref().unwrap().phase == SnapshotPhase::Failed {
             refused = Some(s);
             break;

@@ -18,7 +18,9 @@
 # life of the directory. Stop it with down.sh (same environment).
 #
 # Environment: RAMIFY_REGISTRY_DIR (default <repo>/.ramify/registry),
-# RAMIFY_REGISTRY_PORT (default 15000; the registry itself takes the next port).
+# RAMIFY_REGISTRY_PORT (default 15000; the registry itself takes the next port),
+# RAMIFY_REGISTRY_OWNER (a pid written to $dir/owner: `down.sh --if-owner PID` stops
+# the registry only while that pid still owns it).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -31,13 +33,21 @@ log() { echo "registry: $*" >&2; }
 die() { echo "registry: FAILED: $*" >&2; exit 1; }
 
 bin="$("$here/build.sh")" || die "building the registry failed"
+# One start or stop at a time per directory: a test process's reaper stopping the
+# registry never races the next process's start (the lock lives beside the directory,
+# which down.sh removes).
+mkdir -p "$(dirname "$dir")"
+exec 9>"$dir.lock"
+flock 9
+export RAMIFY_REGISTRY_LOCKED=1
+own() { [[ -z "${RAMIFY_REGISTRY_OWNER:-}" ]] || echo "$RAMIFY_REGISTRY_OWNER" >"$dir/owner"; }
 code() { curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$1" 2>/dev/null || true; }
 alive() { [[ -f "$dir/run/$1.pid" ]] && kill -0 "$(cat "$dir/run/$1.pid")" 2>/dev/null; }
 healthy() {
   alive registry && alive regfront && [[ "$(cat "$dir/addr" 2>/dev/null)" == "$addr" ]] &&
     [[ "$(code "http://127.0.0.1:$backend_port/v2/")" == 200 ]] && [[ "$(code "http://$addr/v2/")" == 401 ]]
 }
-if healthy; then log "already running on $addr ($dir)"; echo "$addr"; exit 0; fi
+if healthy; then own; log "already running on $addr ($dir)"; echo "$addr"; exit 0; fi
 "$here/down.sh" --keep >/dev/null 2>&1 || true
 mkdir -p "$dir/logs" "$dir/run" "$dir/storage" "$dir/docker"
 
@@ -113,6 +123,7 @@ start regfront "$bin/regfront" serve --listen "$addr" --backend "http://127.0.0.
   --htpasswd "$dir/htpasswd" --protect private
 wait_for regfront 401 "http://$addr/v2/"
 echo "$addr" >"$dir/addr"
+own
 printf 'export RAMIFY_REGISTRY=%s\nexport DOCKER_CONFIG=%s\nexport PATH=%s:$PATH\n' \
   "$addr" "$dir/docker" "$bin" >"$dir/env"
 log "ready: $addr (private/* needs $dir/credentials.json)"

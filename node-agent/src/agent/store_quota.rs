@@ -46,10 +46,35 @@ struct Candidate {
     image_id: String,
     bytes: u64,
     last_used_ms: u64,
+    /// Set when only the watch cache's view of this BranchSet holds it.
+    unsure_owner: Option<(String, String)>,
+}
+
+/// What the store holds, from the caches: images that may go (least recently used
+/// first), images held only until the API confirms their set ended, and the names of
+/// the kept ones.
+#[derive(Default)]
+struct Candidates {
+    free: Vec<Candidate>,
+    unsure: Vec<Candidate>,
+    held: Vec<String>,
+}
+
+/// Why a snapshot's image stays, or that it may go.
+#[derive(Debug, PartialEq, Eq)]
+enum Hold {
+    /// Needed by a live object: never evicted.
+    Kept,
+    /// Held only because the watch cache does not show its BranchSet ended (yet):
+    /// the API server is asked before a refusal, since a watch may lag a set that
+    /// just ended.
+    OwnerNotSeenEnded { owner: String, uid: String },
+    /// Nothing needs it.
+    Free,
 }
 
 /// Whether `snap` is needed by a live object, judged from the agent's watch caches.
-fn referenced(snap: &SnapshotObj, sets: &[BranchSet], sandboxes: &[SandboxObj]) -> bool {
+fn hold(snap: &SnapshotObj, sets: &[BranchSet], sandboxes: &[SandboxObj]) -> Hold {
     let ns = snap.namespace();
     let name = snap.name_any();
     let owner = snap
@@ -57,18 +82,10 @@ fn referenced(snap: &SnapshotObj, sets: &[BranchSet], sandboxes: &[SandboxObj]) 
         .iter()
         .find(|o| o.kind == "BranchSet" && o.controller == Some(true));
     let Some(owner) = owner else {
-        return true; // created by someone: theirs to delete
+        return Hold::Kept; // created by someone: theirs to delete
     };
     let ended = |b: &BranchSet| b.status.as_ref().is_some_and(|s| s.phase.is_ended());
     let same_ns = |b: &BranchSet| b.namespace() == ns;
-    // An owner this agent does not see (not yet labelled, or going): keep it.
-    let owner_ended = sets
-        .iter()
-        .find(|b| same_ns(b) && b.uid().as_deref() == Some(owner.uid.as_str()))
-        .is_some_and(ended);
-    if !owner_ended {
-        return true;
-    }
     let forked_from = sets.iter().any(|b| {
         same_ns(b) && !ended(b) && b.spec.source.snapshot.as_deref() == Some(name.as_str())
     });
@@ -82,15 +99,38 @@ fn referenced(snap: &SnapshotObj, sets: &[BranchSet], sandboxes: &[SandboxObj]) 
                 .as_ref()
                 .is_none_or(|st| st.phase != SandboxPhase::Running)
     });
-    forked_from || restoring
+    if forked_from || restoring {
+        return Hold::Kept;
+    }
+    // An owner this agent does not see (not yet labelled, or going), or not ended.
+    let owner_ended = sets
+        .iter()
+        .find(|b| same_ns(b) && b.uid().as_deref() == Some(owner.uid.as_str()))
+        .is_some_and(ended);
+    if owner_ended {
+        Hold::Free
+    } else {
+        Hold::OwnerNotSeenEnded {
+            owner: owner.name.clone(),
+            uid: owner.uid.clone(),
+        }
+    }
+}
+
+/// Whether `snap` is needed by a live object (see [`hold`]), trusting the caches.
+#[cfg(test)]
+fn referenced(snap: &SnapshotObj, sets: &[BranchSet], sandboxes: &[SandboxObj]) -> bool {
+    hold(snap, sets, sandboxes) != Hold::Free
 }
 
 impl Agent {
-    /// The Snapshots of this node whose images nothing needs, least recently used first;
-    /// and the names of those that are needed (for the refusal's message).
-    fn eviction_candidates(&self) -> Result<(Vec<Candidate>, Vec<String>)> {
+    /// The Snapshots of this node whose images nothing needs (least recently used
+    /// first), those held only by the cache's view of their BranchSet, and the names of
+    /// those that are needed (for the refusal's message).
+    fn eviction_candidates(&self) -> Result<Candidates> {
+        let mut out = Candidates::default();
         let Some(cache) = self.cache.get() else {
-            return Ok((Vec::new(), Vec::new()));
+            return Ok(out);
         };
         let ok = |o: &std::sync::Arc<kube::core::DeserializeGuard<_>>| o.0.as_ref().ok().cloned();
         let sets: Vec<BranchSet> = cache.branchsets.state().iter().filter_map(ok).collect();
@@ -99,8 +139,6 @@ impl Agent {
             .flat_map(|s| s.state())
             .filter_map(|o| o.0.as_ref().ok().cloned())
             .collect();
-        let mut out = Vec::new();
-        let mut held = Vec::new();
         for o in cache.snapshots.state() {
             let Ok(snap) = &o.0 else { continue };
             let Some(rec) = snap
@@ -112,20 +150,49 @@ impl Agent {
             let Ok(meta) = self.engine.store().meta(&rec.image_id) else {
                 continue;
             };
-            if referenced(snap, &sets, &sandboxes) {
-                held.push(format!("{}/{}", rec.namespace, rec.name));
-                continue;
-            }
-            out.push(Candidate {
+            let unsure_owner = match hold(snap, &sets, &sandboxes) {
+                Hold::Kept => {
+                    out.held.push(format!("{}/{}", rec.namespace, rec.name));
+                    continue;
+                }
+                Hold::OwnerNotSeenEnded { owner, uid } => Some((owner, uid)),
+                Hold::Free => None,
+            };
+            let c = Candidate {
                 snap: snap.clone(),
                 last_used_ms: self.engine.store().last_used_ms(&meta),
                 bytes: meta.size_bytes,
                 image_id: rec.image_id,
-            });
+                unsure_owner,
+            };
+            if c.unsure_owner.is_some() {
+                out.unsure.push(c);
+            } else {
+                out.free.push(c);
+            }
         }
-        out.sort_by_key(|c| c.last_used_ms);
-        held.sort();
-        Ok((out, held))
+        out.free.sort_by_key(|c| c.last_used_ms);
+        out.unsure.sort_by_key(|c| c.last_used_ms);
+        out.held.sort();
+        Ok(out)
+    }
+
+    /// Whether the API server says `c`'s BranchSet has ended (or is gone): the watch
+    /// cache may not have caught up with a set that ended a moment ago.
+    async fn owner_ended_now(&self, c: &Candidate) -> Result<bool> {
+        let Some((owner, uid)) = &c.unsure_owner else {
+            return Ok(true);
+        };
+        let api: kube::Api<BranchSet> =
+            kube::Api::namespaced(self.client.clone(), &c.snap.namespace().unwrap_or_default());
+        Ok(match api.get_opt(owner).await? {
+            Some(b) if b.uid().as_deref() == Some(uid.as_str()) => {
+                b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+            }
+            // Gone, or a new set of the same name: the snapshot's owner is no more
+            // (the garbage collector deletes the snapshot too).
+            _ => true,
+        })
     }
 
     /// Makes room for an image of `need` bytes under the quota, evicting what no
@@ -142,8 +209,30 @@ impl Agent {
             if used.saturating_add(need) <= quota {
                 return Ok(None);
             }
-            let (candidates, held) = self.eviction_candidates()?;
-            let Some(c) = candidates.into_iter().next() else {
+            let Candidates {
+                free,
+                unsure,
+                mut held,
+            } = self.eviction_candidates()?;
+            let mut next = free.into_iter().next();
+            if next.is_none() {
+                // Before refusing: the sets the cache does not show ended, as the API
+                // server has them now.
+                for c in unsure {
+                    if self.owner_ended_now(&c).await? {
+                        info!(snapshot = %c.snap.name_any(), "its BranchSet ended, as the API server says (the watch had not shown it yet)");
+                        next = Some(c);
+                        break;
+                    }
+                    held.push(format!(
+                        "{}/{}",
+                        c.snap.namespace().unwrap_or_default(),
+                        c.snap.name_any()
+                    ));
+                }
+                held.sort();
+            }
+            let Some(c) = next else {
                 let mut names = held.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
                 if held.len() > 5 {
                     names.push_str(&format!(" and {} more", held.len() - 5));
@@ -288,5 +377,25 @@ mod tests {
             &[restoring("done-s", "Starting")]
         ));
         assert!(!referenced(&s, &[done], &[restoring("done-s", "Running")]));
+    }
+
+    #[test]
+    fn a_set_the_cache_does_not_show_ended_is_asked_of_the_api_server_before_a_refusal() {
+        let running = set("running", "Running", None);
+        let unsure =
+            |h: Hold| matches!(h, Hold::OwnerNotSeenEnded { ref owner, .. } if owner == "running");
+        // Not ended in the cache, or not in it at all: only the API server can say.
+        assert!(unsure(hold(
+            &snap("running-s", Some("running")),
+            std::slice::from_ref(&running),
+            &[]
+        )));
+        assert!(unsure(hold(&snap("running-s", Some("running")), &[], &[])));
+        // Something live needs it: kept whatever its set is.
+        let forks = set("again", "Forking", Some("running-s"));
+        assert_eq!(
+            hold(&snap("running-s", Some("running")), &[running, forks], &[]),
+            Hold::Kept
+        );
     }
 }
