@@ -304,6 +304,32 @@ pub const REASON_SUSPENDED: &str = "Suspended";
 pub const REASON_RESUMED: &str = "Resumed";
 /// Reason of `Suspended=False` when a suspend was refused (it keeps running).
 pub const REASON_SUSPEND_FAILED: &str = "SuspendFailed";
+/// Reason of `Scheduled` (and an Event) when the operator rebinds a suspended sandbox
+/// to another node, to resume there from the object store's copy.
+pub const REASON_MOVED: &str = "Moved";
+/// Reason of `Ready=False` while a node agent resumes a suspended sandbox: its claim,
+/// written under the resourceVersion it read, so the operator never moves it meanwhile.
+pub const REASON_RESUMING: &str = "Resuming";
+
+/// Where a suspended sandbox's image is (written by the node agent with every
+/// `Suspended` status): what lets it resume on another node.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SuspensionStatus {
+    /// The node it was suspended on (its local image is there).
+    pub node: String,
+    /// The image id in that node's snapshot store.
+    pub image: String,
+    /// sha256 of the image (its name in the object store).
+    pub sha256: String,
+    /// Whether a verified copy is in the object store: only then may it resume on
+    /// another node.
+    #[serde(default)]
+    pub remote: bool,
+    /// Bytes of the image.
+    #[serde(default)]
+    pub size_bytes: i64,
+}
 
 /// Observed state of a Sandbox, written by the operator and the node agent.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
@@ -330,6 +356,9 @@ pub struct SandboxStatus {
     /// the binding once the scheduler placed the Pod; its IP once the Pod has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodRef>,
+    /// While phase is `Suspended`: where its image is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspension: Option<SuspensionStatus>,
     /// The identity written to `/run/ramify/identity`: unique per sandbox and per fork.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,

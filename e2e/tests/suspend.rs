@@ -11,11 +11,13 @@ mod objectstore;
 use std::time::{Duration, Instant};
 
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use std::path::Path;
+
 use ramify_crds::{
-    CONDITION_SUSPENDED, ConditionStatus, ConditionsExt, REASON_RESUMED, REASON_SUSPENDED, Sandbox,
-    SandboxPhase, Snapshot, SnapshotPhase,
+    CONDITION_SUSPENDED, ConditionStatus, ConditionsExt, REASON_MOVED, REASON_RESUMED,
+    REASON_SUSPENDED, Sandbox, SandboxPhase, Snapshot, SnapshotPhase, SuspensionStatus,
 };
-use ramify_e2e::system::System;
+use ramify_e2e::system::{System, node_leftovers, node_leftovers_except};
 
 /// One System at a time: each runs its own operator, and two operators side by side
 /// would bind each other's sandboxes to their own nodes.
@@ -68,9 +70,14 @@ fn processes_of(id: &str) -> Vec<String> {
 
 /// The workspace's counter, read through the agent's exec; waits until it reads.
 async fn counter(sys: &System, name: &str) -> u64 {
+    counter_on(sys, &sys.state_dir, name).await
+}
+
+/// [`counter`] on the node whose agent keeps its state in `state_dir`.
+async fn counter_on(sys: &System, state_dir: &Path, name: &str) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let (code, out) = sys.exec(name, "cat /work/counter");
+        let (code, out) = sys.exec_on(state_dir, name, "cat /work/counter");
         if code == 0
             && let Ok(n) = out.trim().parse()
         {
@@ -86,9 +93,15 @@ async fn counter(sys: &System, name: &str) -> u64 {
 }
 
 async fn wait_counter_at_least(sys: &System, name: &str, n: u64) -> u64 {
+    wait_counter_on(sys, &sys.state_dir, name, n).await
+}
+
+/// The counter of `name` on the node keeping its state in `state_dir`, once it is at
+/// least `n`.
+async fn wait_counter_on(sys: &System, state_dir: &Path, name: &str, n: u64) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let c = counter(sys, name).await;
+        let c = counter_on(sys, state_dir, name).await;
         if c >= n {
             return c;
         }
@@ -383,14 +396,7 @@ async fn a_node_that_lost_a_suspended_image_resumes_it_from_the_object_store() {
     assert_eq!(sys.exec("ws", "cat /work/app.conf").1, "mode=slow");
     sys.event("ws", "Downloaded").await;
     // Resumed: the store's copy goes.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while remote.has_image(&sha).await.unwrap() {
-        assert!(
-            Instant::now() < deadline,
-            "the store still holds {sha} after the resume"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    store_drops(&remote, &sha).await;
     sys.teardown_and_check_clean().await;
 }
 
@@ -421,5 +427,173 @@ async fn a_suspended_sandbox_whose_image_is_gone_without_a_copy_fails_saying_so(
     assert_eq!(ready.reason, "ResumeFailed", "{ready:?}");
     assert!(ready.message.contains("is lost"), "{}", ready.message);
     sys.event("ws", "ResumeFailed").await;
+    sys.teardown_and_check_clean().await;
+}
+
+/// Waits until the object store no longer holds image `sha256` (dropped once resumed).
+async fn store_drops(remote: &ramify_node_agent::remote::RemoteStore, sha256: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while remote.has_image(sha256).await.unwrap() {
+        assert!(
+            Instant::now() < deadline,
+            "the store still holds {sha256} after the resume"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Suspended, with its image's copy in the object store (`status.suspension.remote`).
+async fn wait_suspended_remote(sys: &System, name: &str) -> SuspensionStatus {
+    let s = sys
+        .wait_sandbox(
+            name,
+            "suspended with a copy in the object store",
+            120,
+            |s| {
+                phase(s) == Some(SandboxPhase::Suspended)
+                    && s.status
+                        .as_ref()
+                        .and_then(|st| st.suspension.as_ref())
+                        .is_some_and(|x| x.remote)
+            },
+        )
+        .await;
+    s.status.unwrap().suspension.unwrap()
+}
+
+/// Resumed (Running, `Suspended` False Resumed) on `node`.
+async fn resumed_on(sys: &System, name: &str, node: &str) -> Sandbox {
+    let node = node.to_string();
+    sys.wait_sandbox(name, &format!("resumed on {node}"), 120, move |s| {
+        phase(s) == Some(SandboxPhase::Running)
+            && s.status.as_ref().and_then(|st| st.node_name.as_deref()) == Some(node.as_str())
+            && suspended_condition(s)
+                .is_some_and(|c| c.0 == ConditionStatus::False && c.1 == REASON_RESUMED)
+    })
+    .await
+}
+
+/// Waits until nothing of this system is left on the node with state `state_dir`
+/// (but sandbox `keep`).
+async fn node_clean(sys: &System, state_dir: &Path, keep: Option<&str>, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = match keep {
+            Some(k) => node_leftovers_except(state_dir, k),
+            None => node_leftovers(state_dir),
+        };
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still on the node: {left:#?}\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn scheduled(s: &Sandbox) -> (String, String) {
+    let c = s
+        .status
+        .as_ref()
+        .and_then(|st| st.conditions.get_condition("Scheduled"))
+        .unwrap();
+    (c.reason.clone(), c.message.clone())
+}
+
+#[tokio::test]
+async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_the_object_store() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sys = System::start_with("suspend-move", &args, &[]).await;
+    let n1 = sys.add_node().name.clone();
+    let (home, home_state) = (sys.node().to_string(), sys.state_dir.clone());
+    let n1_state = sys.nodes[0].state_dir.clone();
+    let remote = store.client();
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
+    let ws = sys
+        .wait_sandbox("ws", "Running", 120, |s| {
+            phase(s) == Some(SandboxPhase::Running)
+        })
+        .await;
+    let started_on = ws.status.unwrap().node_name.unwrap();
+    assert_eq!(started_on, home, "the freest node, first by name");
+    let before = wait_counter_at_least(&sys, "ws", 20).await;
+    set_suspended(&sys, "ws", true).await;
+    let susp = wait_suspended_remote(&sys, "ws").await;
+    assert_eq!(susp.node, home);
+    assert!(remote.has_image(&susp.sha256).await.unwrap());
+
+    // Its node goes: the agent SIGKILLed and the node's copy of the image lost.
+    sys.agent.kill().unwrap();
+    std::fs::remove_dir_all(home_state.join("engine/snapshots").join(&susp.image)).unwrap();
+    set_suspended(&sys, "ws", false).await;
+    let t0 = Instant::now();
+    let ws = resumed_on(&sys, "ws", &n1).await;
+    let (reason, message) = scheduled(&ws);
+    println!(
+        "{:.1} s after spec.suspended: false (a lease of 15 s runs out first): {message}; {}",
+        t0.elapsed().as_secs_f64(),
+        suspended_condition(&ws).unwrap().2
+    );
+    assert_eq!(reason, REASON_MOVED);
+    assert!(
+        message.contains(&format!("the node agent of {home} is not running")),
+        "{message}"
+    );
+    sys.event("ws", REASON_MOVED).await;
+    sys.event("ws", "Downloaded").await;
+    // Where it left off: its memory (the shell's counter) and its files.
+    let after = wait_counter_on(&sys, &n1_state, "ws", before).await;
+    println!("counter {before} before the suspend, {after} on {n1}");
+    assert_eq!(
+        sys.exec_on(&n1_state, "ws", "cat /work/app.conf").1,
+        "mode=slow"
+    );
+    let count = wait_counter_on(&sys, &n1_state, "ws", after + 5).await;
+    // Resumed: the object store's copy goes.
+    store_drops(&remote, &susp.sha256).await;
+    // The first node comes back and lets go of what it kept of the sandbox.
+    sys.agent.start().unwrap();
+    node_clean(
+        &sys,
+        &home_state,
+        None,
+        "the first node after its agent came back",
+    )
+    .await;
+
+    // Suspended again on n1, which then fills up: resuming moves it back.
+    set_suspended(&sys, "ws", true).await;
+    let susp = wait_suspended_remote(&sys, "ws").await;
+    assert_eq!(susp.node, n1);
+    sys.apply(
+        &sys.sandbox_yaml("hog", "while true; do sleep 1; done", "1200m", "128Mi")
+            .replace("spec:\n", &format!("spec:\n  nodeName: {n1}\n")),
+    );
+    sys.wait_sandbox("hog", "Running", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+    })
+    .await;
+    set_suspended(&sys, "ws", false).await;
+    let ws = resumed_on(&sys, "ws", &home).await;
+    let (reason, message) = scheduled(&ws);
+    println!("{message}");
+    assert_eq!(reason, REASON_MOVED);
+    assert!(
+        message.contains(&format!("node {n1} has no room for it")),
+        "{message}"
+    );
+    let back = wait_counter_on(&sys, &home_state, "ws", count).await;
+    println!("counter {count} when suspended on {n1}, {back} back on {home}");
+    // n1 let go of its copy while its agent ran on; the store's copy went.
+    let hog = sys.sandboxes().get("hog").await.unwrap();
+    let hog_id = hog.status.unwrap().sandbox_id.unwrap();
+    node_clean(&sys, &n1_state, Some(&hog_id), "n1 after the move").await;
+    store_drops(&remote, &susp.sha256).await;
     sys.teardown_and_check_clean().await;
 }

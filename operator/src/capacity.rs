@@ -81,6 +81,21 @@ fn waiting(s: &Sandbox) -> bool {
     s.metadata.deletion_timestamp.is_none() && placed_on(s).is_none() && !terminal(s)
 }
 
+/// What `node` has left for sandboxes: its allocatable less what the sandboxes placed
+/// on it hold and what its warm pools keep (`reserved`).
+pub fn free_on(
+    node: &str,
+    allocatable: &Requests,
+    sandboxes: &[&Sandbox],
+    reserved: &Requests,
+) -> Requests {
+    let used = sandboxes
+        .iter()
+        .filter(|s| placed_on(s) == Some(node))
+        .fold(*reserved, |u, s| u.plus(&holds(s)));
+    allocatable.minus(&used)
+}
+
 /// Memory the warm pools on `node` keep (their branches are frozen: no CPU).
 pub fn pools_on(node: &str, snapshots: &[&Snapshot], sandboxes: &[&Sandbox]) -> Requests {
     let mut total = Requests::ZERO;

@@ -13,6 +13,7 @@ pub mod gauges;
 pub mod handover;
 pub mod leader;
 pub mod metrics;
+pub mod moves;
 pub mod nodes;
 pub mod plan;
 pub mod pod;

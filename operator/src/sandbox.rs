@@ -76,6 +76,9 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
                 return Ok(Action::await_change()); // its status changed: seen again
             }
             refresh_pod(sbx, &api, ctx).await?;
+        } else if let Some(action) = crate::moves::reconcile(sbx, &api, ctx).await? {
+            // Suspended and asked to resume: moved, or looked at while it waits.
+            return Ok(action);
         }
         crate::self_fork::serve(sbx, ctx).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));

@@ -19,6 +19,7 @@ mod exit;
 pub mod images;
 pub mod lease;
 pub mod metrics;
+mod moved;
 pub mod pods;
 pub mod pools;
 pub mod registry;
@@ -208,6 +209,20 @@ impl Agent {
         }
         if let Ok(mut r) = self.reported.lock() {
             r.insert(uid.to_string());
+        }
+    }
+
+    /// Forgets what this process noted of a sandbox it no longer holds (deleted, or
+    /// moved to another node): its reconcile slot and whether it was reported.
+    fn forget_uid(&self, uid: &str) {
+        if let Ok(mut m) = self.in_flight.lock() {
+            m.remove(uid);
+        }
+        if let Ok(mut r) = self.reported.lock() {
+            r.remove(uid);
+        }
+        if let Ok(mut u) = self.unreported.lock() {
+            u.remove(uid);
         }
     }
 
@@ -426,10 +441,12 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let sweep = tokio::spawn(agent.clone().sweep_admission());
     let self_forks = tokio::spawn(agent.clone().sweep_self_forks());
     let image_gc = tokio::spawn(agent.clone().image_gc_loop());
+    let moved = tokio::spawn(agent.clone().sweep_moved());
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);
     sweep.abort();
     self_forks.abort();
     image_gc.abort();
+    moved.abort();
     Ok(())
 }

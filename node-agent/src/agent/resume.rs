@@ -99,9 +99,9 @@ impl Agent {
                     }
                 }
                 Some(sb) => {
-                    info!(sandbox = %rec.name, id = %sb.id, "destroying orphan: its Sandbox object is gone");
+                    info!(sandbox = %rec.name, id = %sb.id, "destroying orphan: its Sandbox object is gone or bound to another node");
                     let why = format!(
-                        "orphan of {}/{} (the object is gone)",
+                        "orphan of {}/{} (the object is gone or bound to another node)",
                         rec.namespace, rec.name
                     );
                     self.engine.destroy_or_report(sb, &why).await;

@@ -46,6 +46,24 @@ impl Agent {
         extra: serde_json::Value,
         suspended: Option<Condition>,
     ) -> Result<()> {
+        self.write_sandbox_status_guarded(obj, None, phase, sb, ready, extra, suspended)
+            .await
+    }
+
+    /// [`Agent::write_sandbox_status_with`] written only if the object is still at
+    /// resourceVersion `guard` (a 409 comes back as [`Error::Conflict`]): a resume's
+    /// claim, so it never races the operator moving the sandbox.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn write_sandbox_status_guarded(
+        &self,
+        obj: &SandboxObj,
+        guard: Option<&str>,
+        phase: SandboxPhase,
+        sb: Option<&LocalSandbox>,
+        ready: (bool, &str, String),
+        extra: serde_json::Value,
+        suspended: Option<Condition>,
+    ) -> Result<()> {
         let api: Api<SandboxObj> =
             Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
         let old = obj.status.clone().unwrap_or_default();
@@ -90,6 +108,12 @@ impl Agent {
         if let Some(exit) = old.exit.clone() {
             st["exit"] = json!(exit);
         }
+        // Where a suspended sandbox's image is, carried while it stays suspended.
+        if phase == SandboxPhase::Suspended
+            && let Some(x) = old.suspension.clone()
+        {
+            st["suspension"] = json!(x);
+        }
         if let (Some(dst), Some(src)) = (st.as_object_mut(), extra.as_object()) {
             for (k, v) in src {
                 dst.insert(k.clone(), v.clone());
@@ -99,7 +123,7 @@ impl Agent {
             &api,
             &obj.name_any(),
             ramify_crds::MANAGER_AGENT_SANDBOX,
-            None,
+            guard,
             &st,
         )
         .await?;
@@ -122,15 +146,7 @@ impl Agent {
         let _serial = slot.lock().await;
         let res = self.reconcile_mine(obj, &uid).await;
         if obj.metadata.deletion_timestamp.is_some() && res.is_ok() {
-            if let Ok(mut m) = self.in_flight.lock() {
-                m.remove(&uid);
-            }
-            if let Ok(mut r) = self.reported.lock() {
-                r.remove(&uid);
-            }
-            if let Ok(mut u) = self.unreported.lock() {
-                u.remove(&uid);
-            }
+            self.forget_uid(&uid);
         }
         res
     }
@@ -201,7 +217,18 @@ impl Agent {
                         }
                     }
                 }
-                None => info!("deleted sandbox has no local handle"),
+                None => {
+                    info!("deleted sandbox has no local handle");
+                    // Moved here but never resumed: the object store's copy goes too.
+                    if let Some(x) = obj
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.suspension.as_ref())
+                        .filter(|x| x.remote && x.node != self.cfg.node)
+                    {
+                        self.drop_remote_copy(&x.image, &x.sha256).await;
+                    }
+                }
             }
             self.registry.remove_sandbox(&uid)?;
             if obj.spec.image.is_some() {
@@ -231,6 +258,13 @@ impl Agent {
         if self.registry.sandbox(&uid)?.is_some_and(|r| r.handed_over) {
             info!("this winner's sandbox was handed to its parent by a Full commit");
             return Ok(Action::await_change());
+        }
+        // Suspended on another node (or its copy here lost) with a copy in the object
+        // store: resumed here from that copy.
+        if status.phase == SandboxPhase::Suspended
+            && let Some(x) = status.suspension.as_ref().filter(|x| x.remote)
+        {
+            return self.resume_moved(obj, &uid, x).await;
         }
         if status.sandbox_id.is_some() {
             // It ran here, and this node no longer has it: report, never restart.

@@ -233,7 +233,7 @@ impl Agent {
 
     /// Which RootfsClass a fresh sandbox names and what it points to, or the image it
     /// names, pulled (its composed rootfs lies in the rootfs cache).
-    async fn fresh_source(
+    pub(super) async fn fresh_source(
         &self,
         obj: &SandboxObj,
     ) -> Result<(String, RootfsSource, Option<crate::image::PulledImage>)> {

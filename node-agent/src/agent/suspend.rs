@@ -10,8 +10,9 @@ use std::time::Duration;
 use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use ramify_crds::{
-    CONDITION_SUSPENDED, Condition, ConditionStatus, REASON_RESUMED, REASON_STORE_FULL,
-    REASON_SUSPEND_FAILED, REASON_SUSPENDED, Sandbox as SandboxObj, SandboxPhase,
+    CONDITION_SUSPENDED, Condition, ConditionStatus, REASON_RESUMED, REASON_RESUMING,
+    REASON_STORE_FULL, REASON_SUSPEND_FAILED, REASON_SUSPENDED, Sandbox as SandboxObj,
+    SandboxPhase, SuspensionStatus,
 };
 use serde_json::json;
 use tracing::{info, warn};
@@ -122,6 +123,18 @@ impl Agent {
         if let Some(wait) = self.admit(obj, uid).await? {
             return Ok(wait);
         }
+        // With a copy in the object store the operator may move it: claimed first.
+        if let Some(s) = sb.suspended.clone().filter(|s| s.remote) {
+            let claim = format!("resuming on node {}", self.cfg.node);
+            if !self
+                .claim_resume(obj, Some(self.suspension_status(&s)), claim)
+                .await?
+            {
+                self.admission.capacity.leave(uid);
+                self.publish_capacity();
+                return Ok(Action::requeue(Duration::from_millis(200)));
+            }
+        }
         let slot = self.admission.restores.permit(uid);
         self.publish_capacity();
         let suspension = sb.suspended.clone();
@@ -185,16 +198,7 @@ impl Agent {
                 took.as_millis()
             ),
         };
-        self.write_suspension(
-            obj,
-            sb,
-            (SandboxPhase::Running, true, "Running"),
-            (ConditionStatus::False, REASON_RESUMED),
-            message.clone(),
-        )
-        .await?;
-        self.mark_reported(uid);
-        self.event(obj, false, REASON_RESUMED, message).await;
+        self.report_resumed(obj, uid, sb, message).await?;
         if let Some(s) = suspension {
             // Restored: the object store's copy is not needed any more.
             self.drop_remote_suspension(&s).await;
@@ -281,30 +285,44 @@ impl Agent {
                 reason: "the suspended sandbox's image is gone from this node and has no copy in an object store".into(),
             });
         };
-        let lock = self.uploads.download_lock(&s.image);
+        self.download_image(obj, remote, &s.image, &s.sha256).await
+    }
+
+    /// Downloads suspended image `image` (stored as `sha256`) into this node's store,
+    /// every file's sha256 checked: a corrupt copy is refused and nothing of it stays.
+    /// Once per image at a time.
+    pub(super) async fn download_image(
+        &self,
+        obj: &SandboxObj,
+        remote: &crate::remote::RemoteStore,
+        image: &str,
+        sha256: &str,
+    ) -> Result<()> {
+        let store = self.engine.store();
+        let lock = self.uploads.download_lock(image);
         let _held = lock.lock().await;
+        if store.meta(image).is_ok() {
+            return Ok(()); // another restore downloaded it meanwhile
+        }
         // What a download cut short left (no record): never restored from.
-        store.remove(&s.image)?;
+        store.remove(image)?;
         let t0 = std::time::Instant::now();
-        let r = remote.download(store, &s.sha256).await?;
+        let r = remote.download(store, sha256).await?;
         self.metrics.transferred(
             "download",
             "suspended",
             t0.elapsed().as_secs_f64(),
             r.meta.size_bytes,
         );
-        if r.meta.id != s.image {
+        if r.meta.id != image {
             store.remove(&r.meta.id)?;
             return Err(Error::Snapshot {
-                id: s.image.clone(),
-                reason: format!(
-                    "the object store's image {} is image {}",
-                    s.sha256, r.meta.id
-                ),
+                id: image.to_string(),
+                reason: format!("the object store's image {sha256} is image {}", r.meta.id),
             });
         }
         let note = format!(
-            "the suspended image was gone from node {}: downloaded from the object store and verified ({} bytes)",
+            "the suspended image is not on node {}: downloaded from the object store and verified ({} bytes)",
             self.cfg.node, r.meta.size_bytes
         );
         self.event(obj, false, "Downloaded", note).await;
@@ -314,12 +332,19 @@ impl Agent {
     /// Removes a suspension's copy from the object store (once resumed, or deleted): a
     /// failure is logged and counted, it never holds up the sandbox.
     pub(super) async fn drop_remote_suspension(&self, s: &Suspension) {
-        let Some(remote) = self.cfg.remote.as_ref().filter(|_| s.remote) else {
+        if s.remote {
+            self.drop_remote_copy(&s.image, &s.sha256).await;
+        }
+    }
+
+    /// Removes suspended image `image`'s copy (`sha256`) from the object store.
+    pub(super) async fn drop_remote_copy(&self, image: &str, sha256: &str) {
+        let Some(remote) = self.cfg.remote.as_ref() else {
             return;
         };
-        if let Err(e) = remote.delete(&s.sha256).await {
+        if let Err(e) = remote.delete(sha256).await {
             let e = Error::from(e);
-            warn!(image = %s.image, error = %e, "removing a suspended image's copy from the object store failed");
+            warn!(image, error = %e, "removing a suspended image's copy from the object store failed");
             self.metrics
                 .failed("suspend_remote_delete", error_category(&e));
         }
@@ -363,15 +388,88 @@ impl Agent {
             message,
             obj.metadata.generation,
         );
+        let extra = match (&phase, &sb.suspended) {
+            (SandboxPhase::Suspended, Some(s)) => {
+                json!({"suspension": self.suspension_status(s)})
+            }
+            _ => json!({}),
+        };
         self.write_sandbox_status_with(
             obj,
             phase,
             Some(sb),
             (ready, ready_reason, ready_message),
-            json!({}),
+            extra,
             Some(cond),
         )
         .await
+    }
+
+    /// A resumed sandbox: Running, `Suspended` False (reason `Resumed`, `message`),
+    /// and an Event.
+    pub(super) async fn report_resumed(
+        &self,
+        obj: &SandboxObj,
+        uid: &str,
+        sb: &LocalSandbox,
+        message: String,
+    ) -> Result<()> {
+        self.write_suspension(
+            obj,
+            sb,
+            (SandboxPhase::Running, true, "Running"),
+            (ConditionStatus::False, REASON_RESUMED),
+            message.clone(),
+        )
+        .await?;
+        self.mark_reported(uid);
+        self.event(obj, false, REASON_RESUMED, message).await;
+        Ok(())
+    }
+
+    /// `status.suspension` of a sandbox suspended on this node.
+    pub(super) fn suspension_status(&self, s: &Suspension) -> SuspensionStatus {
+        SuspensionStatus {
+            node: self.cfg.node.clone(),
+            image: s.image.clone(),
+            sha256: s.sha256.clone(),
+            remote: s.remote,
+            size_bytes: i64::try_from(s.size_bytes).unwrap_or(i64::MAX),
+        }
+    }
+
+    /// Claims the resume of a suspended sandbox before restoring it: Ready reason
+    /// `Resuming`, written under the resourceVersion this reconcile read, so that the
+    /// operator (which never moves a claimed sandbox, and moves under the version it
+    /// decided on) and this agent never both act on it. `Ok(false)`: the object
+    /// changed meanwhile (it may have moved); look at it again.
+    pub(super) async fn claim_resume(
+        &self,
+        obj: &SandboxObj,
+        suspension: Option<SuspensionStatus>,
+        message: String,
+    ) -> Result<bool> {
+        let extra = match suspension {
+            Some(x) => json!({"suspension": x}),
+            None => json!({}),
+        };
+        let res = self
+            .write_sandbox_status_guarded(
+                obj,
+                obj.metadata.resource_version.as_deref(),
+                SandboxPhase::Suspended,
+                None,
+                (false, REASON_RESUMING, message),
+                extra,
+                None,
+            )
+            .await;
+        match res {
+            Ok(()) => Ok(true),
+            Err(Error::Conflict(_)) => Ok(false),
+            Err(Error::Kube(kube::Error::Api(s))) if s.code == 409 => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// A suspend that did not happen: it keeps running, and the condition says why.

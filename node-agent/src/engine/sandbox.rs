@@ -200,6 +200,19 @@ impl Engine {
         Ok(sb)
     }
 
+    /// Restores `sb` (placed: its netns and cgroup made) from image directory `img`.
+    pub(super) async fn restore_placed(
+        &self,
+        sb: &LocalSandbox,
+        img: &std::path::Path,
+    ) -> Result<()> {
+        self.inner.placement.before_start(&sb.placed).await?;
+        self.inner
+            .runsc
+            .restore(&sb.ctx, &sb.bundle_dir(), img)
+            .await
+    }
+
     /// Start a fresh sandbox.
     pub async fn start(&self, req: StartRequest) -> Result<LocalSandbox> {
         self.start_in(req, None).await

@@ -78,11 +78,7 @@ impl Engine {
                 // sandbox (measured on 20221219), so when no runsc process of this
                 // root is alive we drop the record ourselves.
                 forget_stopped(&self.inner.runsc, &sb.ctx).await?;
-                self.inner.placement.before_start(&sb.placed).await?;
-                self.inner
-                    .runsc
-                    .restore(&sb.ctx, &sb.bundle_dir(), &img)
-                    .await
+                self.restore_placed(sb, &img).await
             }
             .await;
             if let Err(e) = resumed {

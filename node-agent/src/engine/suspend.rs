@@ -271,6 +271,64 @@ impl Engine {
         Ok(took)
     }
 
+    /// Resumes on this node a sandbox suspended on another: from its image `image`
+    /// (downloaded into this node's store and verified), on `rootfs` as this node has
+    /// it, in a new directory, network namespace and cgroup of this node. It keeps its
+    /// processes, memory, files and identity (`identity_uid`); its id and IP are this
+    /// node's. The image goes once it runs.
+    #[instrument(skip(self, rootfs))]
+    pub async fn resume_moved(
+        &self,
+        name: &str,
+        image: &str,
+        rootfs: crate::rootfs::RootfsSource,
+        identity_uid: Option<String>,
+    ) -> Result<(LocalSandbox, Duration)> {
+        let t0 = Instant::now();
+        let (meta, img) = self.verified_image(image).await?;
+        let egress_allow = meta
+            .egress_allow
+            .iter()
+            .map(|c| c.parse())
+            .collect::<Result<Vec<_>>>()?;
+        let pinned = rootfs.resolve(&self.inner.rootfs).await?;
+        let mut sb = self
+            .prepare(
+                name,
+                0,
+                pinned,
+                meta.workload.clone(),
+                super::sandbox::Net {
+                    egress_allow,
+                    pod_uid: None,
+                },
+                None,
+            )
+            .await?;
+        if let Some(uid) = identity_uid {
+            sb.identity.uid = uid;
+            if let Err(e) = crate::control::write_identity(&sb.control_dir(), &sb.identity) {
+                let e = Error::io("write identity", sb.control_dir(), e);
+                self.destroy_or_report(sb, "writing its identity failed")
+                    .await;
+                return Err(e);
+            }
+        }
+        if let Err(e) = self.restore_placed(&sb, &img).await {
+            self.destroy_or_report(sb, "its resume on this node failed")
+                .await;
+            return Err(e);
+        }
+        if let Err(e) = self.persist(&sb) {
+            self.destroy_or_report(sb, "recording it failed").await;
+            return Err(e);
+        }
+        self.remove_image_logged(image);
+        let took = t0.elapsed();
+        info!(?took, image, id = %sb.id, "moved sandbox resumed");
+        Ok((sb, took))
+    }
+
     /// A Snapshot of a suspended sandbox: its image, linked (not copied) under a new
     /// id, with its own metadata and TTL. The sandbox stays suspended.
     pub async fn snapshot_suspended(
