@@ -310,6 +310,16 @@ pub const REASON_MOVED: &str = "Moved";
 /// Reason of `Ready=False` while a node agent resumes a suspended sandbox: its claim,
 /// written under the resourceVersion it read, so the operator never moves it meanwhile.
 pub const REASON_RESUMING: &str = "Resuming";
+/// Annotation on a node agent's Lease (`kubectl ramify drain NODE`): the node is being
+/// drained, for the reason its value gives. Its agent suspends the workspaces it runs
+/// (they resume on other nodes from the object store) and fails undecided branches;
+/// the operator binds nothing new to it. Removing it ends the drain.
+pub const ANNOTATION_DRAIN: &str = "ramify.dev/drain";
+/// Reason of `Suspended=True` (and an Event) for a workspace suspended by a drain.
+pub const REASON_DRAINED: &str = "Drained";
+/// Reason a branch fails with (and of its Event) when its node is drained before its
+/// verdict.
+pub const REASON_NODE_DRAINED: &str = "NodeDrained";
 
 /// Where a suspended sandbox's image is (written by the node agent with every
 /// `Suspended` status): what lets it resume on another node.

@@ -525,6 +525,22 @@ impl System {
         Api::namespaced(self.client.clone(), &self.ns.name)
     }
 
+    /// `kubectl ramify ARGS` against the running system as its admin, as a script would
+    /// use it: (exit code, stdout, stderr).
+    pub fn plugin(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(binary("kubectl-ramify").unwrap())
+            .args(["-n", &self.ns.name])
+            .args(args)
+            .env("KUBECONFIG", &self.cp.kubeconfig)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
     /// Runs a command in a sandbox through the agent's CLI (what `kubectl ramify exec`
     /// does on the node).
     pub fn exec(&self, sandbox: &str, cmd: &str) -> (i32, String) {

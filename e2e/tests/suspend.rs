@@ -14,8 +14,9 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use std::path::Path;
 
 use ramify_crds::{
-    CONDITION_SUSPENDED, ConditionStatus, ConditionsExt, REASON_MOVED, REASON_RESUMED,
-    REASON_SUSPENDED, Sandbox, SandboxPhase, Snapshot, SnapshotPhase, SuspensionStatus,
+    CONDITION_SUSPENDED, ConditionStatus, ConditionsExt, REASON_DRAINED, REASON_MOVED,
+    REASON_NODE_DRAINED, REASON_RESUMED, REASON_SUSPENDED, Sandbox, SandboxPhase, Snapshot,
+    SnapshotPhase, SuspensionStatus,
 };
 use ramify_e2e::system::{System, node_leftovers, node_leftovers_except};
 
@@ -118,6 +119,19 @@ async fn counting_workspace(sys: &System) -> u64 {
     })
     .await;
     wait_counter_at_least(sys, "ws", 20).await
+}
+
+/// `name` once Failed: its Ready condition (the reason and message).
+async fn failed(sys: &System, name: &str, what: &str) -> ramify_crds::Condition {
+    let s = sys
+        .wait_sandbox(name, what, 120, |s| phase(s) == Some(SandboxPhase::Failed))
+        .await;
+    s.status
+        .unwrap()
+        .conditions
+        .get_condition("Ready")
+        .cloned()
+        .unwrap()
 }
 
 async fn wait_suspended(sys: &System, name: &str) -> Sandbox {
@@ -412,18 +426,7 @@ async fn a_suspended_sandbox_whose_image_is_gone_without_a_copy_fails_saying_so(
     std::fs::remove_dir_all(sys.state_dir.join("engine/snapshots").join(&image)).unwrap();
     set_suspended(&sys, "ws", false).await;
     // Nothing can bring it back: it fails for good with the reason, never starts fresh.
-    let ws = sys
-        .wait_sandbox("ws", "Failed: image lost", 60, |s| {
-            phase(s) == Some(SandboxPhase::Failed)
-        })
-        .await;
-    let ready = ws
-        .status
-        .unwrap()
-        .conditions
-        .get_condition("Ready")
-        .cloned()
-        .unwrap();
+    let ready = failed(&sys, "ws", "Failed: image lost").await;
     assert_eq!(ready.reason, "ResumeFailed", "{ready:?}");
     assert!(ready.message.contains("is lost"), "{}", ready.message);
     sys.event("ws", "ResumeFailed").await;
@@ -494,6 +497,22 @@ async fn node_clean(sys: &System, state_dir: &Path, keep: Option<&str>, what: &s
     }
 }
 
+/// `ws` resumed on `to` after a move whose `Scheduled` message contains `why` (printed
+/// with the time since `t0`), with its `Moved` Event.
+async fn moved_to(sys: &System, to: &str, why: &str, t0: Instant) -> Sandbox {
+    let ws = resumed_on(sys, "ws", to).await;
+    let (reason, message) = scheduled(&ws);
+    println!(
+        "{:.1} s: {message}; {}",
+        t0.elapsed().as_secs_f64(),
+        suspended_condition(&ws).unwrap().2
+    );
+    assert_eq!(reason, REASON_MOVED);
+    assert!(message.contains(why), "{message}");
+    sys.event("ws", REASON_MOVED).await;
+    ws
+}
+
 fn scheduled(s: &Sandbox) -> (String, String) {
     let c = s
         .status
@@ -532,20 +551,9 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
     sys.agent.kill().unwrap();
     std::fs::remove_dir_all(home_state.join("engine/snapshots").join(&susp.image)).unwrap();
     set_suspended(&sys, "ws", false).await;
-    let t0 = Instant::now();
-    let ws = resumed_on(&sys, "ws", &n1).await;
-    let (reason, message) = scheduled(&ws);
-    println!(
-        "{:.1} s after spec.suspended: false (a lease of 15 s runs out first): {message}; {}",
-        t0.elapsed().as_secs_f64(),
-        suspended_condition(&ws).unwrap().2
-    );
-    assert_eq!(reason, REASON_MOVED);
-    assert!(
-        message.contains(&format!("the node agent of {home} is not running")),
-        "{message}"
-    );
-    sys.event("ws", REASON_MOVED).await;
+    // A lease of 15 s runs out first.
+    let why = format!("the node agent of {home} is not running");
+    moved_to(&sys, &n1, &why, Instant::now()).await;
     sys.event("ws", "Downloaded").await;
     // Where it left off: its memory (the shell's counter) and its files.
     let after = wait_counter_on(&sys, &n1_state, "ws", before).await;
@@ -580,14 +588,8 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
     })
     .await;
     set_suspended(&sys, "ws", false).await;
-    let ws = resumed_on(&sys, "ws", &home).await;
-    let (reason, message) = scheduled(&ws);
-    println!("{message}");
-    assert_eq!(reason, REASON_MOVED);
-    assert!(
-        message.contains(&format!("node {n1} has no room for it")),
-        "{message}"
-    );
+    let why = format!("node {n1} has no room for it");
+    moved_to(&sys, &home, &why, Instant::now()).await;
     let back = wait_counter_on(&sys, &home_state, "ws", count).await;
     println!("counter {count} when suspended on {n1}, {back} back on {home}");
     // n1 let go of its copy while its agent ran on; the store's copy went.
@@ -595,5 +597,113 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
     let hog_id = hog.status.unwrap().sandbox_id.unwrap();
     node_clean(&sys, &n1_state, Some(&hog_id), "n1 after the move").await;
     store_drops(&remote, &susp.sha256).await;
+    sys.teardown_and_check_clean().await;
+}
+
+#[tokio::test]
+async fn a_drained_node_moves_its_workspace_and_fails_its_undecided_branches() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sys = System::start_with("drain", &args, &[]).await;
+    let n1 = sys.add_node().name.clone();
+    let (home, home_state) = (sys.node().to_string(), sys.state_dir.clone());
+    let n1_state = sys.nodes[0].state_dir.clone();
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
+    let ws = sys
+        .wait_sandbox("ws", "Running", 120, |s| {
+            phase(s) == Some(SandboxPhase::Running)
+        })
+        .await;
+    assert_eq!(ws.status.unwrap().node_name.unwrap(), home);
+    let before = wait_counter_at_least(&sys, "ws", 20).await;
+    // A BranchSet without a verdict yet: its one branch sleeps on the same node.
+    sys.apply(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: slow
+spec:
+  source: {sandbox: ws}
+  replicas: 1
+  template:
+    run: ["/bin/sh", "-c", "sleep 100000"]
+  commit: {mode: Full}
+  timeoutSeconds: 3600
+"#,
+    );
+    sys.wait_sandbox("slow-b0", "Running", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+    })
+    .await;
+
+    let (code, out, _) = sys.plugin(&[
+        "drain",
+        &home,
+        "--reason",
+        "kernel upgrade",
+        "--system-namespace",
+        &sys.system_namespace,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let t0 = Instant::now();
+    // The undecided branch fails saying why; its set goes on without it.
+    let ready = failed(&sys, "slow-b0", "failed by the drain").await;
+    assert_eq!(ready.reason, REASON_NODE_DRAINED, "{}", ready.message);
+    assert!(
+        ready.message.contains("kernel upgrade"),
+        "{}",
+        ready.message
+    );
+    let set = sys
+        .wait_branchset("slow", "ended", 120, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    println!(
+        "branch: {}; set {:?}",
+        ready.message,
+        set.status.unwrap().phase
+    );
+    // The workspace is suspended, moved and resumed on the other node, counting on.
+    let why = format!("node {home} is being drained (kernel upgrade)");
+    moved_to(&sys, &n1, &why, t0).await;
+    sys.event("ws", REASON_DRAINED).await;
+    let after = wait_counter_on(&sys, &n1_state, "ws", before).await;
+    println!("counter {before} before the drain, {after} on {n1}");
+    assert_eq!(
+        sys.exec_on(&n1_state, "ws", "cat /work/app.conf").1,
+        "mode=slow"
+    );
+    // Nothing new goes to the draining node, and nothing of the old is left on it.
+    sys.apply(&sys.sandbox_yaml("late", "while true; do sleep 1; done", "100m", "64Mi"));
+    let late = sys
+        .wait_sandbox("late", "Running", 120, |s| {
+            phase(s) == Some(SandboxPhase::Running)
+        })
+        .await;
+    assert_eq!(late.status.unwrap().node_name.unwrap(), n1);
+    // The ended set's snapshot is the last thing of it on the node: it goes with the set.
+    sys.branchsets()
+        .delete("slow", &DeleteParams::default())
+        .await
+        .unwrap();
+    node_clean(&sys, &home_state, None, "the drained node").await;
+
+    let (code, out, _) = sys.plugin(&[
+        "undrain",
+        &home,
+        "--system-namespace",
+        &sys.system_namespace,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out, _) = sys.plugin(&[
+        "drain",
+        "no-such-node",
+        "--system-namespace",
+        &sys.system_namespace,
+    ]);
+    assert_eq!(code, 3, "{out}");
     sys.teardown_and_check_clean().await;
 }

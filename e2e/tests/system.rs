@@ -478,21 +478,6 @@ fn tempfile_dir() -> PathBuf {
     d
 }
 
-/// `kubectl ramify` against the running system, as a script would use it.
-fn plugin(sys: &System, args: &[&str]) -> (i32, String, String) {
-    let out = std::process::Command::new(ramify_e2e::binary("kubectl-ramify").unwrap())
-        .args(["-n", &sys.ns.name])
-        .args(args)
-        .env("KUBECONFIG", &sys.cp.kubeconfig)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test]
 async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
     let _serial = SERIAL.lock().await;
@@ -502,42 +487,39 @@ async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
     sys.running_workspace().await;
 
     // Clear errors and exit codes for wrong names and states.
-    let (code, _, err) = plugin(&sys, &["fork", "nope", "--branch", "a=true"]);
+    let (code, _, err) = sys.plugin(&["fork", "nope", "--branch", "a=true"]);
     assert_eq!(code, 3, "unknown sandbox: {err}");
     assert!(err.contains("sandbox nope not found"), "{err}");
-    let (code, _, err) = plugin(&sys, &["commit", "nope", "a"]);
+    let (code, _, err) = sys.plugin(&["commit", "nope", "a"]);
     assert_eq!(code, 3, "{err}");
 
     // fork --wait: exit 0 when a branch committed.
-    let (code, out, err) = plugin(
-        &sys,
-        &[
-            "fork",
-            "workspace",
-            "--name",
-            "pf",
-            "--branch",
-            "good=echo A > /work/f",
-            "--branch",
-            "bad=echo B > /work/f; exit 1",
-            "--wait",
-        ],
-    );
+    let (code, out, err) = sys.plugin(&[
+        "fork",
+        "workspace",
+        "--name",
+        "pf",
+        "--branch",
+        "good=echo A > /work/f",
+        "--branch",
+        "bad=echo B > /work/f; exit 1",
+        "--wait",
+    ]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains("branchset.ramify.dev/pf: Committed  winner=good"),
         "{out}"
     );
-    let (code, out, err) = plugin(&sys, &["exec", "workspace", "--", "cat", "/work/f"]);
+    let (code, out, err) = sys.plugin(&["exec", "workspace", "--", "cat", "/work/f"]);
     assert_eq!((code, out.trim()), (0, "A"), "{err}");
-    let (code, _, err) = plugin(&sys, &["commit", "pf", "good"]);
+    let (code, _, err) = sys.plugin(&["commit", "pf", "good"]);
     assert_eq!(
         code, 4,
         "FirstCommitWins cannot be committed by hand: {err}"
     );
 
     // status: the tree, as text and JSON.
-    let (code, out, _) = plugin(&sys, &["status", "workspace"]);
+    let (code, out, _) = sys.plugin(&["status", "workspace"]);
     assert_eq!(code, 0);
     assert!(out.starts_with("sandbox/workspace  Running"), "{out}");
     assert!(
@@ -545,30 +527,27 @@ async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
         "{out}"
     );
     assert!(out.contains("good  Won  verdict=Commit"), "{out}");
-    let (_, out, _) = plugin(&sys, &["status", "workspace", "-o", "json"]);
+    let (_, out, _) = sys.plugin(&["status", "workspace", "-o", "json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v[0]["branchSets"][0]["winner"], "good");
 
     // Manual: branches report, a person picks; diff shows the branch's changes.
-    let (code, _, err) = plugin(
-        &sys,
-        &[
-            "fork",
-            "workspace",
-            "--name",
-            "pm",
-            "--manual",
-            // What the branches write: the workspace rewrites /work/counter every
-            // 100 ms, and a live file under the commit's paths is refused and retried
-            // until its manifest and tar agree (under load, for longer than this waits).
-            "--paths",
-            "/work/g",
-            "--branch",
-            "x=echo X > /work/g",
-            "--branch",
-            "z=echo Z > /work/g",
-        ],
-    );
+    let (code, _, err) = sys.plugin(&[
+        "fork",
+        "workspace",
+        "--name",
+        "pm",
+        "--manual",
+        // What the branches write: the workspace rewrites /work/counter every
+        // 100 ms, and a live file under the commit's paths is refused and retried
+        // until its manifest and tar agree (under load, for longer than this waits).
+        "--paths",
+        "/work/g",
+        "--branch",
+        "x=echo X > /work/g",
+        "--branch",
+        "z=echo Z > /work/g",
+    ]);
     assert_eq!(code, 0, "{err}");
     sys.wait_branchset("pm", "verdicts", 120, |b| {
         b.status.as_ref().is_some_and(|s| {
@@ -576,36 +555,33 @@ async fn the_kubectl_plugin_forks_inspects_commits_and_aborts() {
         })
     })
     .await;
-    let (code, out, err) = plugin(&sys, &["diff", "pm-x", "--paths", "/work/**"]);
+    let (code, out, err) = sys.plugin(&["diff", "pm-x", "--paths", "/work/**"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("A") && out.contains("/work/g"), "{out}");
-    let (code, _, err) = plugin(&sys, &["commit", "pm", "x"]);
+    let (code, _, err) = sys.plugin(&["commit", "pm", "x"]);
     assert_eq!(code, 0, "{err}");
-    let (code, out, _) = plugin(&sys, &["wait", "pm", "--timeout", "120"]);
+    let (code, out, _) = sys.plugin(&["wait", "pm", "--timeout", "120"]);
     assert_eq!(code, 0, "{out}");
-    let (_, out, _) = plugin(&sys, &["exec", "workspace", "--", "cat", "/work/g"]);
+    let (_, out, _) = sys.plugin(&["exec", "workspace", "--", "cat", "/work/g"]);
     assert_eq!(out.trim(), "X");
 
     // abort: ends without a winner; wait then exits 1.
-    let (code, _, err) = plugin(
-        &sys,
-        &[
-            "fork",
-            "workspace",
-            "--name",
-            "pa",
-            "--manual",
-            "--branch",
-            "only=true",
-        ],
-    );
+    let (code, _, err) = sys.plugin(&[
+        "fork",
+        "workspace",
+        "--name",
+        "pa",
+        "--manual",
+        "--branch",
+        "only=true",
+    ]);
     assert_eq!(code, 0, "{err}");
-    let (code, _, err) = plugin(&sys, &["abort", "pa"]);
+    let (code, _, err) = sys.plugin(&["abort", "pa"]);
     assert_eq!(code, 0, "{err}");
-    let (code, _, err) = plugin(&sys, &["wait", "pa", "--timeout", "120"]);
+    let (code, _, err) = sys.plugin(&["wait", "pa", "--timeout", "120"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("aborted by the user"), "{err}");
-    let (code, _, _) = plugin(&sys, &["abort", "pa"]);
+    let (code, _, _) = sys.plugin(&["abort", "pa"]);
     assert_eq!(code, 4, "aborting twice is a wrong state");
     sys.teardown_and_check_clean().await;
 }
@@ -751,7 +727,7 @@ spec:
     );
 
     // Approve (what `kubectl ramify approve gated` does): both run, in order, once.
-    let (code, _, err) = plugin(&sys, &["approve", "gated"]);
+    let (code, _, err) = sys.plugin(&["approve", "gated"]);
     assert_eq!(code, 0, "{err}");
     let done = sys
         .wait_branchset("gated", "effects executed", 60, |b| {
@@ -778,7 +754,7 @@ spec:
     sys.wait_branchset("try-fixes", "ended", 180, committed)
         .await;
     assert_eq!(seen.lock().unwrap().len(), 2, "no effect ran twice");
-    let (code, _, _) = plugin(&sys, &["approve", "gated"]);
+    let (code, _, _) = sys.plugin(&["approve", "gated"]);
     assert_eq!(code, 4, "approving twice is a wrong state");
     sys.teardown_and_check_clean().await;
 }

@@ -571,8 +571,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 duration: Duration::from_secs(15),
                 endpoint: endpoint.as_ref().map(|e| e.url.clone()),
             };
-            lease::renew(&client, &announcement).await?;
-            tokio::spawn(lease::heartbeat(client.clone(), announcement));
+            let (drain_tx, drain) =
+                tokio::sync::watch::channel(lease::renew(&client, &announcement).await?);
+            tokio::spawn(lease::heartbeat(client.clone(), announcement, drain_tx));
             let registry = Registry::open(state.state_dir.join("registry"))?;
             if let Some(ep) = endpoint {
                 tokio::spawn(ep.serve(engine.clone(), registry.clone()));
@@ -582,6 +583,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 engine,
                 AgentConfig {
                     node: node_name,
+                    drain,
                     mode,
                     kubelet_root_dir: kubelet_root_dir.clone(),
                     system_namespace,

@@ -250,7 +250,7 @@ pub fn choose(
 ) -> Option<Result<String, Decision>> {
     let mut best: Option<(u64, &str)> = None;
     let mut why: Option<Decision> = None;
-    for a in agents.iter().filter(|a| a.live) {
+    for a in agents.iter().filter(|a| a.takes_work()) {
         let Some(alloc) = a.allocatable else {
             continue;
         };
@@ -493,6 +493,7 @@ mod tests {
                 cpu_millis: cpu,
                 memory_bytes: 8 << 30,
             }),
+            draining: None,
         };
         let cand = sbx("new", "1", json!({}));
         let agents = [agent("small", 500), agent("big", 4000)];
@@ -511,5 +512,17 @@ mod tests {
             ..agent("old", 0)
         }];
         assert_eq!(choose(&cand, &legacy, &[&cand], &none, &any), None);
+        // A draining node takes nothing new, however much room it has.
+        let drained = [
+            NodeAgent {
+                draining: Some("maintenance".into()),
+                ..agent("big", 4000)
+            },
+            agent("small", 1500),
+        ];
+        assert_eq!(
+            choose(&cand, &drained, &[&cand], &none, &any),
+            Some(Ok("small".into()))
+        );
     }
 }

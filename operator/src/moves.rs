@@ -1,9 +1,10 @@
 //! Moving a suspended Sandbox to another node (standalone mode). A suspended sandbox
 //! whose image has a verified copy in the object store (`status.suspension.remote`) is
 //! not tied to its node: when it is asked to resume (`spec.suspended: false`) and its
-//! node cannot take it back (its node agent's lease ran out, or the node has no room
-//! for its request while another does), the operator rebinds `status.nodeName` to a
-//! live node with room; that node's agent downloads the image and resumes it there.
+//! node cannot take it back (its node agent's lease ran out, the node is being
+//! drained, or it has no room for its request while another node does), the operator
+//! rebinds `status.nodeName` to a live node with room; that node's agent downloads the
+//! image and resumes it there.
 //!
 //! Never two resumes: the rebinding is written under the resourceVersion it was
 //! decided on, and a node agent about to resume the sandbox claims it first (Ready
@@ -68,6 +69,9 @@ pub fn destination(
     let fits = |node: &str| free(node).is_none_or(|f| asks.fits_in(&f));
     let here = agents.iter().find(|a| a.node == current);
     let why = match here {
+        Some(NodeAgent {
+            draining: Some(d), ..
+        }) => format!("node {current} is being drained ({d})"),
         Some(a) if a.live && fits(&current) => return None,
         Some(a) if a.live => {
             let f = free(&current).unwrap_or(Requests::ZERO);
@@ -84,7 +88,8 @@ pub fn destination(
     // The live node with the most CPU left among those it fits on; ties by name.
     let to = agents
         .iter()
-        .filter(|a| a.live && a.node != current && a.allocatable.is_some() && fits(&a.node))
+        .filter(|a| a.takes_work() && a.node != current)
+        .filter(|a| a.allocatable.is_some() && fits(&a.node))
         .map(|a| (free(&a.node).map_or(0, |f| f.cpu_millis), a.node.as_str()))
         .max_by(|(fa, na), (fb, nb)| fa.cmp(fb).then_with(|| nb.cmp(na)))?
         .1
@@ -181,6 +186,7 @@ mod tests {
                 cpu_millis: 1600,
                 memory_bytes: 8 << 30,
             }),
+            draining: None,
         }
     }
 
@@ -236,6 +242,23 @@ mod tests {
             destination(&suspended(true, "Suspended"), &agents, &|_: &str| room(100)),
             None
         );
+    }
+
+    #[test]
+    fn a_draining_node_gives_up_its_suspended_workspaces_and_takes_none() {
+        let drained = |n: &str| NodeAgent {
+            draining: Some("kernel upgrade".into()),
+            ..agent(n, true)
+        };
+        let free = |_: &str| room(1600);
+        let ws = suspended(true, "Suspended");
+        let (to, why) = destination(&ws, &[drained("a"), agent("b", true)], &free).unwrap();
+        assert_eq!(
+            (to.as_str(), why.as_str()),
+            ("b", "node a is being drained (kernel upgrade)")
+        );
+        // Nowhere else to go: it waits.
+        assert_eq!(destination(&ws, &[drained("a"), drained("b")], &free), None);
     }
 
     #[test]

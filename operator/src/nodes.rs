@@ -31,6 +31,16 @@ pub struct NodeAgent {
     /// CPU and memory for sandboxes, when the agent announces them (an agent that
     /// does not is bound against its sandbox count only).
     pub allocatable: Option<Requests>,
+    /// Why the node is being drained (`ramify.dev/drain` on its Lease): nothing new is
+    /// bound to it, and its suspended workspaces move off it.
+    pub draining: Option<String>,
+}
+
+impl NodeAgent {
+    /// Live and not draining: new work may be bound to it.
+    pub fn takes_work(&self) -> bool {
+        self.live && self.draining.is_none()
+    }
 }
 
 pub use ramify_crds::node_lease_name as lease_name;
@@ -66,7 +76,11 @@ pub async fn list(client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {
                 }),
                 _ => None,
             };
+            let draining = ann
+                .and_then(|a| a.get(ramify_crds::ANNOTATION_DRAIN))
+                .cloned();
             Some(NodeAgent {
+                draining,
                 live: !expired(spec, now),
                 node,
                 capacity,
@@ -120,7 +134,7 @@ fn expired(spec: &k8s_openapi::api::coordination::v1::LeaseSpec, now: Timestamp)
 pub fn choose(agents: &[NodeAgent], bound: &dyn Fn(&str) -> u32) -> Option<String> {
     agents
         .iter()
-        .filter(|a| a.live)
+        .filter(|a| a.takes_work())
         .map(|a| (a, a.capacity.saturating_sub(bound(&a.node))))
         .filter(|(_, free)| *free > 0)
         .max_by(|(a, fa), (b, fb)| fa.cmp(fb).then_with(|| b.node.cmp(&a.node)))
@@ -137,6 +151,7 @@ mod tests {
             live,
             capacity,
             allocatable: None,
+            draining: None,
         }
     }
 

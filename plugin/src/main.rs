@@ -146,6 +146,24 @@ enum Cmd {
         #[arg(long, default_value_t = 300)]
         timeout: u64,
     },
+    /// Drain a node: its agent suspends the workspaces it runs (they resume on other
+    /// nodes from the object store), fails branches without a verdict, and nothing new
+    /// is bound to it (annotates its agent's Lease `ramify.dev/drain`; needs `patch` on
+    /// Leases in the system namespace).
+    Drain {
+        node: String,
+        /// Why: said in the moved sandboxes' conditions and Events.
+        #[arg(long, default_value = "kubectl ramify drain")]
+        reason: String,
+        #[arg(long, default_value = "ramify-system")]
+        system_namespace: String,
+    },
+    /// End a node's drain: what stayed suspended there resumes there.
+    Undrain {
+        node: String,
+        #[arg(long, default_value = "ramify-system")]
+        system_namespace: String,
+    },
     /// Print a sandbox's console output (needs `get` on `sandboxes/log`).
     Logs { sandbox: String },
     /// List the files a branch changed since it was restored, under the globs (needs
@@ -167,6 +185,27 @@ async fn main() -> ExitCode {
             ExitCode::from(e.code())
         }
     }
+}
+
+/// Sets (`Some(reason)`) or removes the drain annotation on `node`'s agent Lease.
+async fn drain(client: &Client, ns: &str, node: &str, reason: Option<String>) -> Result<ExitCode> {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), ns);
+    let name = ramify_crds::node_lease_name(node);
+    if leases.get_opt(&name).await?.is_none() {
+        return Err(Error::NotFound(format!(
+            "no node agent announces node {node} (no Lease {ns}/{name})"
+        )));
+    }
+    let patch = json!({"metadata": {"annotations": {ramify_crds::ANNOTATION_DRAIN: reason}}});
+    leases
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    match reason {
+        Some(r) => println!("node {node}: draining ({r})"),
+        None => println!("node {node}: drain ended"),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn sh(cmd: &str) -> Vec<String> {
@@ -369,6 +408,15 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             )
             .await
         }
+        Cmd::Drain {
+            node,
+            reason,
+            system_namespace,
+        } => drain(&client, &system_namespace, &node, Some(reason)).await,
+        Cmd::Undrain {
+            node,
+            system_namespace,
+        } => drain(&client, &system_namespace, &node, None).await,
         Cmd::Abort { branchset } => {
             let bs = get_branchset(&branchsets, &branchset).await?;
             let st = bs.status.clone().unwrap_or_default();

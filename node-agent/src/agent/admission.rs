@@ -109,6 +109,13 @@ impl Admission {
         rx
     }
 
+    /// Reconciles the Sandbox `r` again (a drain began or ended).
+    pub(super) fn wake(&self, r: SandboxRef) {
+        if let Ok(mut subs) = self.triggers.subscribers.lock() {
+            subs.retain(|tx| tx.unbounded_send(r.clone()).is_ok());
+        }
+    }
+
     pub(super) fn remember_ref(&self, uid: &str, obj: &SandboxObj) {
         if let Ok(mut m) = self.triggers.refs.lock() {
             m.entry(uid.to_string()).or_insert_with(|| {

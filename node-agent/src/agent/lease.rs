@@ -41,8 +41,9 @@ impl Announcement {
     }
 }
 
-/// Writes (creates or renews) the lease once.
-pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
+/// Writes (creates or renews) the lease once; returns the drain the Lease asks for
+/// (its `ramify.dev/drain` annotation, written by someone else: `kubectl ramify drain`).
+pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<Option<String>> {
     let api: Api<Lease> = Api::namespaced(client.clone(), &a.namespace);
     let mut body = json!({
         "apiVersion": "coordination.k8s.io/v1",
@@ -74,14 +75,30 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<()> {
         &Patch::Apply(&body),
     )
     .await
-    .map(|_| ())
+    .map(|l| {
+        l.metadata
+            .annotations
+            .and_then(|mut m| m.remove(ramify_crds::ANNOTATION_DRAIN))
+    })
 }
 
-/// Renews the lease forever (every third of its duration).
-pub async fn heartbeat(client: Client, a: Announcement) {
+/// Renews the lease forever (every third of its duration), and says on `drain` whether
+/// the node is being drained (and why).
+pub async fn heartbeat(
+    client: Client,
+    a: Announcement,
+    drain: tokio::sync::watch::Sender<Option<String>>,
+) {
     loop {
-        if let Err(e) = renew(&client, &a).await {
-            warn!(error = %e, "node lease renewal failed");
+        match renew(&client, &a).await {
+            Ok(d) => {
+                drain.send_if_modified(|now| {
+                    let changed = *now != d;
+                    *now = d;
+                    changed
+                });
+            }
+            Err(e) => warn!(error = %e, "node lease renewal failed"),
         }
         tokio::time::sleep(a.duration / 3).await;
     }

@@ -14,6 +14,7 @@ mod branch_run;
 mod commit;
 pub mod commit_guard;
 pub mod decided;
+mod drain;
 pub mod endpoint;
 mod exit;
 pub mod images;
@@ -67,6 +68,9 @@ use registry::Registry;
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     pub node: String,
+    /// Why this node is being drained, while it is (read back from its Lease by the
+    /// heartbeat; see [`drain`]).
+    pub drain: tokio::sync::watch::Receiver<Option<String>>,
     /// Standalone (the agent admits and places sandboxes itself) or cluster (each
     /// Sandbox runs in its Pod, see [`pods`]).
     pub mode: ramify_crds::pod::Mode,
@@ -442,11 +446,13 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let self_forks = tokio::spawn(agent.clone().sweep_self_forks());
     let image_gc = tokio::spawn(agent.clone().image_gc_loop());
     let moved = tokio::spawn(agent.clone().sweep_moved());
+    let drain = tokio::spawn(agent.clone().watch_drain());
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);
     sweep.abort();
     self_forks.abort();
     image_gc.abort();
     moved.abort();
+    drain.abort();
     Ok(())
 }

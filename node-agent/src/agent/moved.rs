@@ -42,6 +42,10 @@ impl Agent {
             // Asked to stay suspended: its copy waits in the object store.
             return Ok(Action::await_change());
         }
+        if self.draining().is_some() {
+            // Not here while this node drains: the operator moves it on.
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
         let Some(remote) = self.cfg.remote.clone() else {
             let message = format!(
                 "suspended on node {} and bound to node {}, which has no object store to download its image from",

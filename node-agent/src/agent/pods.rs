@@ -320,7 +320,7 @@ impl Agent {
             .map(|p| p.uid.as_str())
             .unwrap_or_default();
         if !self.has_ended(obj, pod_uid) {
-            warn!(id = %sb.id, message = %why.message, "the sandbox's Pod is gone: destroying it");
+            warn!(id = %sb.id, message = %why.message, "the sandbox must end (its Pod is gone, or its node drained): destroying it");
             // Said first: a failed teardown is retried with the Sandbox already Failed.
             self.write_sandbox_status(
                 obj,
@@ -333,7 +333,7 @@ impl Agent {
             self.metrics.failed("sandbox", "pod_gone");
             self.event(obj, true, why.reason, why.message.clone()).await;
         } else {
-            info!(id = %sb.id, message = %why.message, "the ended sandbox's Pod is gone: cleaning it up");
+            info!(id = %sb.id, message = %why.message, "the sandbox had ended: cleaning it up");
         }
         if let Err(e) = self.engine.teardown(sb).await {
             self.cleanup_failed(obj, "destroy after its Pod went", &e);

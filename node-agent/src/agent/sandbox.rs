@@ -278,6 +278,9 @@ impl Agent {
             .await;
             return Ok(Action::await_change());
         }
+        if let Some(wait) = self.refuse_start_while_draining(obj).await? {
+            return Ok(wait);
+        }
         // Cluster mode: only in its Pod, once that runs here.
         let pod_uid = match self.cfg.mode {
             ramify_crds::pod::Mode::Cluster => match self.pod_to_start_in(obj, &uid).await {
@@ -302,6 +305,10 @@ impl Agent {
         if let Some(why) = self.pod_gone(obj, uid) {
             return self.end_for_pod(obj, uid, h, why).await;
         }
+        // A branch without a verdict on a draining node ends, failed.
+        if let Some(why) = self.drained_branch(obj) {
+            return self.end_for_pod(obj, uid, h, why).await;
+        }
         // Held by a branch's run or verdict command (or a commit): the sandbox is in
         // use, so look again later. Waiting here would hold up this sandbox's next
         // reconcile (its deletion among them) for as long as the command runs.
@@ -311,6 +318,9 @@ impl Agent {
         let Some(sb) = guard.as_mut() else {
             return Ok(Action::await_change());
         };
+        if let Some(done) = self.drain_workspace(obj, uid, sb).await? {
+            return Ok(done);
+        }
         if let Some(done) = self.keep_suspension(obj, uid, sb).await? {
             return Ok(done);
         }

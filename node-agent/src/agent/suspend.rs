@@ -56,7 +56,7 @@ impl Agent {
         }
     }
 
-    async fn suspend_sandbox(
+    pub(super) async fn suspend_sandbox(
         self: &Arc<Self>,
         obj: &SandboxObj,
         uid: &str,
@@ -209,7 +209,7 @@ impl Agent {
     /// Uploads a suspended sandbox's image to the object store in the background
     /// (once per image and process; retried with backoff while the store is down), and
     /// records the copy in the sandbox's record; the next look reports it.
-    fn upload_suspension(self: &Arc<Self>, obj: &SandboxObj, uid: &str, s: &Suspension) {
+    pub(super) fn upload_suspension(self: &Arc<Self>, obj: &SandboxObj, uid: &str, s: &Suspension) {
         let Some(remote) = self.cfg.remote.clone() else {
             return;
         };
@@ -350,7 +350,7 @@ impl Agent {
         }
     }
 
-    async fn report_suspended(
+    pub(super) async fn report_suspended(
         &self,
         obj: &SandboxObj,
         sb: &LocalSandbox,
