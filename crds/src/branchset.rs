@@ -29,6 +29,8 @@ use crate::common::{Condition, EnvVar};
     validation = Rule::new("has(self.branches) != has(self.replicas)").message("exactly one of spec.branches or spec.replicas must be set").field_path(".branches"),
     validation = Rule::new("!has(self.template) || has(self.replicas)").message("spec.template is only used with spec.replicas; give each of spec.branches its own run and env").field_path(".template"),
     validation = Rule::new("has(self.branches) == has(oldSelf.branches) && has(self.replicas) == has(oldSelf.replicas) && has(self.template) == has(oldSelf.template)").message("spec.branches, spec.replicas and spec.template are immutable").field_path(".branches"),
+    validation = Rule::new("has(self.placement) == has(oldSelf.placement)").message("spec.placement is immutable").field_path(".placement"),
+    validation = Rule::new("!has(self.placement) || !has(self.commit) || self.commit.mode != 'Paths'").message("spec.placement cannot be combined with spec.commit.mode Paths: a Paths commit diffs the winner on its parent's node; use mode Full").field_path(".placement"),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct BranchSetSpec {
@@ -91,6 +93,14 @@ pub struct BranchSetSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 32))]
     pub warm_pool_size: Option<i32>,
+    /// Where the branches run. Without it every branch runs on the snapshot's node
+    /// (and waits there for room). With it, at most `maxBranchesPerNode` branches run
+    /// on any node: the snapshot's node takes the first ones, the other nodes with room
+    /// the rest, each downloading the snapshot's image from the object store once.
+    /// Needs an object store (the chart's `objectStore`). Immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.placement is immutable"))]
+    pub placement: Option<BranchPlacement>,
     /// Delete the BranchSet this many seconds after it ended (Committed, Exhausted,
     /// Failed or Conflict) and its effects settled, as a Job's field of the same name:
     /// its automatic snapshot, image and retained branches go with it, so a loop that
@@ -127,6 +137,17 @@ pub struct BranchSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub snapshot: Option<String>,
+}
+
+/// How a BranchSet spreads its branches over nodes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BranchPlacement {
+    /// At most this many of the set's branches on one node (1 to 100). Branches the
+    /// live nodes cannot hold under it wait (`Forked` says how many) until a node
+    /// joins or the set times out.
+    #[schemars(range(min = 1, max = 100))]
+    pub max_branches_per_node: i32,
 }
 
 /// One explicit branch.
@@ -428,6 +449,13 @@ pub struct BranchStatus {
     /// Whether it was claimed from a warm pool.
     #[serde(default)]
     pub warm: bool,
+    /// The node it runs (or ran) on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Whether its node downloaded the snapshot's image from the object store (the
+    /// snapshot was taken on another node) rather than restoring a local copy.
+    #[serde(default)]
+    pub fetched: bool,
     /// When the verdict was reached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Time>,

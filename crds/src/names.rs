@@ -60,6 +60,8 @@ pub const MANAGER_AGENT_STORAGE: &str = "ramify-node-agent/storage";
 /// Node agent: a parent's `lastCommit`/`commits` and a winner's `commitRefused` (not the
 /// parent's `sandboxId`: that is the sandbox manager's).
 pub const MANAGER_AGENT_COMMIT: &str = "ramify-node-agent/commit";
+/// Field manager of a winner's `status.shipped` (a cross-node commit).
+pub const MANAGER_AGENT_SHIP: &str = "ramify-node-agent/ship";
 /// Node agent: the [`crate::CONDITION_NODE_RECONCILED`] condition.
 pub const MANAGER_AGENT_ERRORS: &str = "ramify-node-agent/errors";
 /// Node agent: its node's Lease (heartbeat, capacity, platform, endpoint).

@@ -315,11 +315,39 @@ pub const REASON_RESUMING: &str = "Resuming";
 /// (they resume on other nodes from the object store) and fails undecided branches;
 /// the operator binds nothing new to it. Removing it ends the drain.
 pub const ANNOTATION_DRAIN: &str = "ramify.dev/drain";
+/// Annotation the parent's node agent sets on a winning branch that ran on another
+/// node (value: the BranchSet's uid): the winner's node checkpoints it and ships it
+/// through the object store (`status.shipped`) for a cross-node Full commit.
+pub const ANNOTATION_SHIP: &str = "ramify.dev/ship";
 /// Reason of `Suspended=True` (and an Event) for a workspace suspended by a drain.
 pub const REASON_DRAINED: &str = "Drained";
+/// Reason of `Ready=False` while a branch on another node than its snapshot's waits for
+/// the snapshot's upload to the object store (then downloads it).
+pub const REASON_AWAITING_UPLOAD: &str = "AwaitingUpload";
 /// Reason a branch fails with (and of its Event) when its node is drained before its
 /// verdict.
 pub const REASON_NODE_DRAINED: &str = "NodeDrained";
+
+/// A winner's checkpoint in the object store (`status.shipped`), written by its node
+/// agent once uploaded and verified.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShippedWinner {
+    /// The BranchSet whose commit it was shipped for (its uid).
+    pub branch_set_uid: String,
+    /// The node it was captured on.
+    pub node: String,
+    /// The image id (as every node's store names it).
+    pub image: String,
+    /// sha256 of the image, verified at download.
+    pub sha256: String,
+    /// Size of the image in bytes.
+    pub size_bytes: i64,
+    /// The parent's commit generation the branch was forked at (its fork point).
+    pub fork_generation: i64,
+    /// Milliseconds to capture and upload it.
+    pub ship_millis: i64,
+}
 
 /// Where a suspended sandbox's image is (written by the node agent with every
 /// `Suspended` status): what lets it resume on another node.
@@ -369,6 +397,10 @@ pub struct SandboxStatus {
     /// While phase is `Suspended`: where its image is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub suspension: Option<SuspensionStatus>,
+    /// A winning branch on another node than its parent: its checkpoint, shipped
+    /// through the object store for the parent's node to commit from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shipped: Option<ShippedWinner>,
     /// The identity written to `/run/ramify/identity`: unique per sandbox and per fork.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,
@@ -450,6 +482,10 @@ pub struct RestoredFrom {
     /// Whether it came from a warm pool (pre-restored, frozen) rather than a cold restore.
     #[serde(default)]
     pub warm: bool,
+    /// Whether the snapshot was taken on another node and its image downloaded here
+    /// from the object store (once per node) for this restore.
+    #[serde(default)]
+    pub fetched: bool,
 }
 
 /// How a branch's run and verdict went.

@@ -565,6 +565,47 @@ impl System {
         )
     }
 
+    /// The number in file `path` of sandbox `name` on the node keeping its state in
+    /// `state_dir` (a workload's counter), retried for up to 30 s while it cannot be read.
+    pub async fn number_on(&self, state_dir: &Path, name: &str, path: &str) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (code, out) = self.exec_on(state_dir, name, &format!("cat {path}"));
+            if code == 0
+                && let Ok(n) = out.trim().parse()
+            {
+                return n;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name}: no number in {path} ({code}: {out})\n{}",
+                self.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits up to 60 s until the node keeping its state in `state_dir` holds nothing
+    /// (but what names `keep`); `what` names it in the failure message.
+    pub async fn wait_node_clean(&self, state_dir: &Path, keep: Option<&str>, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = match keep {
+                Some(k) => crate::leftovers::node_leftovers_except(state_dir, k),
+                None => node_leftovers(state_dir),
+            };
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: still on the node: {left:#?}\n{}",
+                self.diagnostics()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     pub async fn wait_for<K>(
         &self,
         api: Api<K>,
@@ -708,13 +749,25 @@ spec:
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let mut leftovers = node_leftovers(&self.state_dir);
+        // What agents remove once the objects are gone (images fetched from another
+        // node go when their Snapshot does) is given a few seconds.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let on_nodes = |sys: &Self| {
+            let mut left = node_leftovers(&sys.state_dir);
+            for n in &sys.nodes {
+                left.extend(
+                    node_leftovers(&n.state_dir)
+                        .into_iter()
+                        .map(|l| format!("{}: {l}", n.name)),
+                );
+            }
+            left
+        };
+        while !on_nodes(&self).is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let mut leftovers = on_nodes(&self);
         for n in &mut self.nodes {
-            leftovers.extend(
-                node_leftovers(&n.state_dir)
-                    .into_iter()
-                    .map(|l| format!("{}: {l}", n.name)),
-            );
             // Stopped cleanly with nothing left to run, it takes its bridge and cgroup
             // parent with it; its rules went with its sandboxes.
             if let Err(e) = n.agent.stop(Duration::from_secs(30)) {

@@ -18,7 +18,7 @@ use ramify_crds::{
     REASON_NODE_DRAINED, REASON_RESUMED, REASON_SUSPENDED, Sandbox, SandboxPhase, Snapshot,
     SnapshotPhase, SuspensionStatus,
 };
-use ramify_e2e::system::{System, node_leftovers, node_leftovers_except};
+use ramify_e2e::system::System;
 
 /// One System at a time: each runs its own operator, and two operators side by side
 /// would bind each other's sandboxes to their own nodes.
@@ -76,21 +76,7 @@ async fn counter(sys: &System, name: &str) -> u64 {
 
 /// [`counter`] on the node whose agent keeps its state in `state_dir`.
 async fn counter_on(sys: &System, state_dir: &Path, name: &str) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (code, out) = sys.exec_on(state_dir, name, "cat /work/counter");
-        if code == 0
-            && let Ok(n) = out.trim().parse()
-        {
-            return n;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{name}: no counter ({code}: {out})\n{}",
-            sys.diagnostics()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    sys.number_on(state_dir, name, "/work/counter").await
 }
 
 async fn wait_counter_at_least(sys: &System, name: &str, n: u64) -> u64 {
@@ -479,22 +465,7 @@ async fn resumed_on(sys: &System, name: &str, node: &str) -> Sandbox {
 /// Waits until nothing of this system is left on the node with state `state_dir`
 /// (but sandbox `keep`).
 async fn node_clean(sys: &System, state_dir: &Path, keep: Option<&str>, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let left = match keep {
-            Some(k) => node_leftovers_except(state_dir, k),
-            None => node_leftovers(state_dir),
-        };
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still on the node: {left:#?}\n{}",
-            sys.diagnostics()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    sys.wait_node_clean(state_dir, keep, what).await
 }
 
 /// `ws` resumed on `to` after a move whose `Scheduled` message contains `why` (printed

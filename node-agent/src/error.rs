@@ -41,6 +41,10 @@ pub enum Error {
     Unsupported { version: String, what: String },
     #[error("snapshot {id}: {reason}")]
     Snapshot { id: String, reason: String },
+    /// Not an error of the sandbox: what it needs is not there yet (a snapshot from
+    /// another node still uploading). Looked at again shortly; never fails it.
+    #[error("{0}")]
+    NotYet(String),
     #[error(
         "snapshot {id} was captured with runsc {captured:?} but this node runs {current:?}; \
          gVisor only restores images taken by the same runsc version"
@@ -116,6 +120,7 @@ impl Error {
             Error::MissingTool(_) => "missing_tool",
             Error::Unsupported { .. } => "unsupported",
             Error::Snapshot { .. } => "snapshot",
+            Error::NotYet(_) => "not_yet",
             Error::VersionMismatch { .. } => "version_mismatch",
             Error::PlatformMismatch { .. } => "platform_mismatch",
             Error::CorruptImage { .. } => "corrupt_image",

@@ -30,6 +30,12 @@ pub const SUSPEND_RECORDED: &str = "suspend-recorded";
 /// A suspend's checkpoint stopped the sandbox; its image is not sealed yet.
 pub const SUSPEND_CHECKPOINTED: &str = "suspend-checkpointed";
 
+/// A download from the object store has landed its first file; the rest are not.
+pub const DOWNLOAD_PARTIAL: &str = "download-partial";
+/// A winner shipped from another node is restored here and recorded; its commit has
+/// not begun.
+pub const SHIPPED_RESTORED: &str = "shipped-restored";
+
 /// A sandbox's network release (its rules, its IP lease, its netns) fails once,
 /// after the teardown's other steps ran.
 pub const RELEASE_FAILS: &str = "release-fails";

@@ -108,11 +108,14 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
             branches.push(live);
         }
     }
+    let nodes = placement_nodes(ctx, bs).await?;
     let mut plan = plan::plan(&Observed {
         bs,
         snapshot: snapshot.as_ref(),
         parent: parent.as_ref(),
         branches: &branches,
+        nodes: &nodes,
+        cluster_mode: ctx.settings.mode == ramify_crds::pod::Mode::Cluster,
         now: Timestamp::now(),
     });
 
@@ -277,9 +280,26 @@ pub fn to_confirm(bs: &BranchSet, cached: &[Sandbox]) -> Vec<String> {
         .collect()
 }
 
-/// BranchSets nested under an invalidated branch abort with it: their branch sandboxes
-/// are deleted now; their own reconcile (triggered by the parent's deletion) records
-/// `Failed/ParentInvalidated`.
+/// The nodes a set with `spec.placement` spreads its branches over: those taking work
+/// (live, not draining), by name. Listed (through the lease cache) only while such a
+/// set may still create branches.
+async fn placement_nodes(ctx: &Context, bs: &BranchSet) -> Result<Vec<String>> {
+    let st = bs.status.as_ref();
+    if bs.spec.placement.is_none() || st.is_some_and(|s| s.winner.is_some() || s.phase.is_ended()) {
+        return Ok(Vec::new());
+    }
+    let mut nodes: Vec<String> = ctx
+        .nodes
+        .list(&ctx.client, &ctx.settings.system_namespace)
+        .await?
+        .into_iter()
+        .filter(|a| a.takes_work())
+        .map(|a| a.node)
+        .collect();
+    nodes.sort();
+    Ok(nodes)
+}
+
 /// Sets the BranchSet's [`LABEL_NODE`] (server-side apply of that one label).
 async fn label_node(ctx: &Context, bs: &BranchSet, node: &str) -> Result<()> {
     let api: Api<BranchSet> =
@@ -303,6 +323,9 @@ async fn label_node(ctx: &Context, bs: &BranchSet, node: &str) -> Result<()> {
     }
 }
 
+/// BranchSets nested under an invalidated branch abort with it: their branch sandboxes
+/// are deleted now; their own reconcile (triggered by the parent's deletion) records
+/// `Failed/ParentInvalidated`.
 async fn abort_nested(ctx: &Context, ns: &str, parents: &[String]) -> Result<()> {
     if parents.is_empty() {
         return Ok(());

@@ -51,6 +51,7 @@ pub fn branch_set_for(sbx: &Sandbox, req: &SelfForkRequest, timeout_seconds: i32
             retain_losers: false,
             effects: None,
             warm_pool_size: None,
+            placement: None,
             ttl_seconds_after_finished: ramify_crds::DEFAULT_TTL_SECONDS_AFTER_FINISHED,
         },
     );

@@ -36,7 +36,7 @@ use crate::fault;
 const MAX_LISTED_FILES: usize = 256;
 
 /// How an attempt to commit ended.
-enum Applied {
+pub(super) enum Applied {
     /// Applied; the parent's record as it is now, and what was promoted.
     Done(Box<SandboxRecord>, Promoted),
     /// Refused: the parent changed since the fork point.
@@ -51,7 +51,7 @@ fn applied(rec: &SandboxRecord, bs_uid: &str) -> bool {
 
 /// What a commit promoted, as reported on the parent.
 #[derive(Default)]
-struct Promoted {
+pub(super) struct Promoted {
     files: Vec<FileChange>,
     file_count: i64,
     bytes: i64,
@@ -107,7 +107,16 @@ impl Agent {
             let winner_obj = winner_obj.ok_or_else(|| {
                 Error::Invalid(format!("winning branch {winner} is gone before its commit"))
             })?;
-            match self.apply_commit(bs, &parent_uid, &winner_obj).await? {
+            let applied = if self.runs_elsewhere(&winner_obj) {
+                // A cross-node winner (spec.placement): shipped here first.
+                match self.commit_shipped(bs, &parent_uid, &winner_obj).await? {
+                    Some(a) => a,
+                    None => return Ok(Action::requeue(super::ship::SHIP_POLL)),
+                }
+            } else {
+                self.apply_commit(bs, &parent_uid, &winner_obj).await?
+            };
+            match applied {
                 Applied::Done(rec, promoted) => {
                     self.metrics
                         .commit_seconds
@@ -175,7 +184,7 @@ impl Agent {
     /// lock (snapshots take it too): the record read under it is the one the guard
     /// checks and bumps, and the state a snapshot captures matches the generation it
     /// records.
-    async fn apply_commit(
+    pub(super) async fn apply_commit(
         &self,
         bs: &BranchSet,
         parent_uid: &str,

@@ -17,6 +17,7 @@ pub mod decided;
 mod drain;
 pub mod endpoint;
 mod exit;
+mod fetch;
 pub mod images;
 pub mod lease;
 pub mod metrics;
@@ -28,6 +29,7 @@ pub mod resume;
 mod rootfs_class;
 mod sandbox;
 mod self_fork;
+mod ship;
 mod snapshot;
 mod snapshot_remote;
 mod start;
@@ -133,6 +135,8 @@ pub struct Agent {
     images: std::sync::OnceLock<Arc<crate::image::ImageStore>>,
     /// Wakes the image cache's GC (a sandbox or snapshot went).
     image_gc_kick: tokio::sync::Notify,
+    /// Wakes the sweep of fetched snapshot images (a branch restored from one went).
+    fetched_kick: tokio::sync::Notify,
     /// Background uploads of snapshot images to the object store, by Snapshot uid.
     uploads: snapshot_remote::Uploads,
 }
@@ -203,6 +207,7 @@ impl Agent {
             settler,
             images: std::sync::OnceLock::new(),
             image_gc_kick: tokio::sync::Notify::new(),
+            fetched_kick: tokio::sync::Notify::new(),
             uploads: snapshot_remote::Uploads::default(),
         }
     }
@@ -446,6 +451,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let self_forks = tokio::spawn(agent.clone().sweep_self_forks());
     let image_gc = tokio::spawn(agent.clone().image_gc_loop());
     let moved = tokio::spawn(agent.clone().sweep_moved());
+    let fetched = tokio::spawn(agent.clone().sweep_fetched());
     let drain = tokio::spawn(agent.clone().watch_drain());
     info!(node = %agent.cfg.node, "node agent controllers running");
     tokio::join!(sandboxes, pinned, snapshots, commits);
@@ -453,6 +459,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     self_forks.abort();
     image_gc.abort();
     moved.abort();
+    fetched.abort();
     drain.abort();
     Ok(())
 }

@@ -48,6 +48,10 @@ pub struct SandboxRecord {
     /// lost.
     #[serde(default)]
     pub handed_over: bool,
+    /// For a winner shipped to its parent's node: what was shipped (recorded before it
+    /// is reported, so a stale copy of the object never ships it twice).
+    #[serde(default)]
+    pub shipped: Option<ramify_crds::ShippedWinner>,
 }
 
 /// A Snapshot object backed by a stored image.
@@ -124,10 +128,13 @@ fn valid_uid(uid: &str) -> Result<()> {
     Ok(())
 }
 
+/// Where fetched snapshots' records live.
+const FETCHED: &str = "fetched";
+
 impl Registry {
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
-        for sub in ["sandboxes", "snapshots"] {
+        for sub in ["sandboxes", "snapshots", FETCHED] {
             crate::private::dir_all(&dir.join(sub))?;
         }
         Ok(Self {
@@ -237,14 +244,42 @@ impl Registry {
     }
 
     pub fn put_snapshot(&self, r: &SnapshotRecord) -> Result<()> {
-        write_atomic(
-            &self.path("snapshots", &r.uid)?,
-            &serde_json::to_vec_pretty(r)?,
-        )
+        self.put_in("snapshots", r)
     }
 
     pub fn snapshot(&self, uid: &str) -> Result<Option<SnapshotRecord>> {
-        let p = self.path("snapshots", uid)?;
+        self.get_in("snapshots", uid)
+    }
+
+    pub fn remove_snapshot(&self, uid: &str) -> Result<()> {
+        self.remove_in("snapshots", uid)
+    }
+
+    /// A snapshot taken on another node whose image this node downloaded (a cross-node
+    /// fork): kept apart from this node's own snapshots, which its Snapshot watch owns.
+    pub fn put_fetched(&self, r: &SnapshotRecord) -> Result<()> {
+        self.put_in(FETCHED, r)
+    }
+
+    pub fn fetched(&self, uid: &str) -> Result<Option<SnapshotRecord>> {
+        self.get_in(FETCHED, uid)
+    }
+
+    pub fn remove_fetched(&self, uid: &str) -> Result<()> {
+        self.remove_in(FETCHED, uid)
+    }
+
+    /// Every fetched snapshot's record, and the files that do not parse.
+    pub fn fetched_all(&self) -> Result<Listing<SnapshotRecord>> {
+        self.read_all(FETCHED)
+    }
+
+    fn put_in(&self, kind: &str, r: &SnapshotRecord) -> Result<()> {
+        write_atomic(&self.path(kind, &r.uid)?, &serde_json::to_vec_pretty(r)?)
+    }
+
+    fn get_in(&self, kind: &str, uid: &str) -> Result<Option<SnapshotRecord>> {
+        let p = self.path(kind, uid)?;
         match std::fs::read(&p) {
             Ok(b) => Ok(Some(serde_json::from_slice(&b)?)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -252,8 +287,8 @@ impl Registry {
         }
     }
 
-    pub fn remove_snapshot(&self, uid: &str) -> Result<()> {
-        let p = self.path("snapshots", uid)?;
+    fn remove_in(&self, kind: &str, uid: &str) -> Result<()> {
+        let p = self.path(kind, uid)?;
         match std::fs::remove_file(&p) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -311,6 +346,7 @@ mod tests {
             pending_full_commit: None,
             fork_generation: None,
             handed_over: false,
+            shipped: None,
         }
     }
 

@@ -235,6 +235,15 @@ impl Agent {
                 // Its image may be unused now.
                 self.image_gc_kick.notify_one();
             }
+            if obj
+                .status
+                .as_ref()
+                .and_then(|s| s.restored_from.as_ref())
+                .is_some_and(|r| r.fetched)
+            {
+                // Its set (and snapshot) may be going: the fetched image with it.
+                self.fetched_kick.notify_one();
+            }
             // Its room goes to whoever waits, now that nothing of it runs.
             self.admission.release(&uid);
             self.publish_capacity();
@@ -319,6 +328,10 @@ impl Agent {
             return Ok(Action::await_change());
         };
         if let Some(done) = self.drain_workspace(obj, uid, sb).await? {
+            return Ok(done);
+        }
+        // A winner whose parent runs on another node: shipped there for its commit.
+        if let Some(done) = self.ship_winner(obj, uid, sb).await? {
             return Ok(done);
         }
         if let Some(done) = self.keep_suspension(obj, uid, sb).await? {

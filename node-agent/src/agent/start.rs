@@ -151,6 +151,12 @@ impl Agent {
         self.admission.restores.leave(uid);
         let (sb, extra, fork_generation) = match started {
             Ok(x) => x,
+            Err(Error::NotYet(why)) => {
+                // Nothing of it runs yet: its room goes to whoever waits meanwhile.
+                self.admission.release(uid);
+                self.publish_capacity();
+                return self.not_yet(obj, why).await;
+            }
             Err(e) => {
                 // Nothing of it runs: its room goes to whoever waits.
                 self.admission.release(uid);
@@ -310,22 +316,22 @@ impl Agent {
                 reason: format!("is {:?}, not Ready", st.phase),
             });
         }
-        if st.node_name.as_deref() != Some(self.cfg.node.as_str()) {
-            return Err(Error::Snapshot {
-                id: rf.snapshot.clone(),
-                reason: format!(
-                    "is stored on node {:?}, not on {}",
-                    st.node_name, self.cfg.node
-                ),
-            });
-        }
-        let rec = self
-            .registry
-            .snapshot(&snap.uid().unwrap_or_default())?
-            .ok_or_else(|| Error::Snapshot {
-                id: rf.snapshot.clone(),
-                reason: "this node holds no image for it".into(),
-            })?;
+        // Taken on another node (a BranchSet with spec.placement): its image comes from
+        // the object store, once per node, onto the root filesystem resolved here.
+        let fetched = st.node_name.as_deref() != Some(self.cfg.node.as_str());
+        let (rec, fetched_rootfs) = if fetched {
+            let (rec, rootfs) = self.fetched_snapshot(obj, &snap).await?;
+            (rec, Some(rootfs))
+        } else {
+            let rec = self
+                .registry
+                .snapshot(&snap.uid().unwrap_or_default())?
+                .ok_or_else(|| Error::Snapshot {
+                    id: rf.snapshot.clone(),
+                    reason: "this node holds no image for it".into(),
+                })?;
+            (rec, None)
+        };
         let (name, index) = rf
             .branch
             .as_ref()
@@ -335,7 +341,7 @@ impl Agent {
         let t0 = Instant::now();
         // A warm branch has no baseline manifest, so Paths commits restore cold; and
         // none is in a Pod (cluster mode builds no pools).
-        let warm = if track.is_empty() && pod_uid.is_none() {
+        let warm = if track.is_empty() && pod_uid.is_none() && !fetched {
             self.pools
                 .claim(
                     &snap.uid().unwrap_or_default(),
@@ -366,10 +372,20 @@ impl Agent {
                 // Running (or Failed) next anyway.
                 // The image the snapshot pins, pulled again by digest if this node
                 // lost it (never a newer tag).
-                self.ensure_snapshot_image(&obj.spec.image_pull_secrets, &snap)
-                    .await?;
-                // Its checkpoint too, from the object store if this node lost it.
-                self.ensure_local_image(&snap, &rec).await?;
+                if !fetched {
+                    self.ensure_snapshot_image(&obj.spec.image_pull_secrets, &snap)
+                        .await?;
+                    // Its checkpoint too, from the object store if this node lost it.
+                    self.ensure_local_image(&snap, &rec).await?;
+                }
+                let restore = self.engine.fork_one_in(
+                    &rec.image_id,
+                    &name,
+                    index,
+                    &track,
+                    pod_uid,
+                    fetched_rootfs,
+                );
                 let (noted, sb) = futures::join!(
                     self.write_sandbox_status(
                         obj,
@@ -382,8 +398,7 @@ impl Agent {
                         ),
                         json!({}),
                     ),
-                    self.engine
-                        .fork_one_in(&rec.image_id, &name, index, &track, pod_uid)
+                    restore
                 );
                 if let Err(e) = noted {
                     warn!(error = %e, "could not report Restoring");
@@ -400,6 +415,7 @@ impl Agent {
             "runscVersion": short_version(self.engine.runsc().version()),
             "sha256": st.sha256,
             "warm": was_warm,
+            "fetched": fetched,
         }});
         if let Some(d) = &st.image_digest {
             extra["imageDigest"] = json!(d);

@@ -21,6 +21,15 @@ pub struct ForkOptions {
     pub track: Vec<String>,
 }
 
+/// Where a branch is restored: in a Pod's namespaces (cluster mode), and on a root
+/// filesystem resolved on this node rather than the path its image names (an image
+/// from another node).
+#[derive(Default)]
+pub(super) struct RestoreOn<'a> {
+    pub(super) pod_uid: Option<&'a str>,
+    pub(super) rootfs: Option<crate::roots::PinnedDir>,
+}
+
 impl Engine {
     /// Restore one branch from a verified image.
     pub(super) async fn restore_branch(
@@ -30,16 +39,21 @@ impl Engine {
         name: &str,
         index: u32,
         track: &[String],
-        pod_uid: Option<&str>,
+        on: RestoreOn<'_>,
     ) -> Result<LocalSandbox> {
+        let RestoreOn { pod_uid, rootfs } = on;
         let egress: Vec<Cidr> = meta
             .egress_allow
             .iter()
             .map(|c| c.parse())
             .collect::<Result<_>>()?;
         // Checked again: the snapshot names a path, and what is there now must still be
-        // inside an allowed root.
-        let rootfs = self.inner.rootfs.pin(&meta.rootfs)?;
+        // inside an allowed root. An image from another node names that node's path:
+        // the caller resolved the same root filesystem here.
+        let rootfs = match rootfs {
+            Some(r) => r,
+            None => self.inner.rootfs.pin(&meta.rootfs)?,
+        };
         let mut sb = self
             .prepare(
                 name,
@@ -117,7 +131,7 @@ impl Engine {
             );
             let (meta, img) = (&meta, &img);
             async move {
-                self.restore_branch(meta, img, &name, i, &opts.track, None)
+                self.restore_branch(meta, img, &name, i, &opts.track, RestoreOn::default())
                     .await
             }
         });
@@ -151,11 +165,14 @@ impl Engine {
         index: u32,
         track: &[String],
     ) -> Result<LocalSandbox> {
-        self.fork_one_in(snapshot, name, index, track, None).await
+        self.fork_one_in(snapshot, name, index, track, None, None)
+            .await
     }
 
-    /// [`Engine::fork_one`] into the Pod with `pod_uid` (cluster mode).
-    #[instrument(skip(self, track))]
+    /// [`Engine::fork_one`] into the Pod with `pod_uid` (cluster mode), and on `rootfs`
+    /// as resolved on this node for an image captured on another (a cross-node fork:
+    /// the same digest, not the path the image names).
+    #[instrument(skip(self, track, rootfs))]
     pub async fn fork_one_in(
         &self,
         snapshot: &str,
@@ -163,11 +180,23 @@ impl Engine {
         index: u32,
         track: &[String],
         pod_uid: Option<&str>,
+        rootfs: Option<crate::rootfs::RootfsSource>,
     ) -> Result<LocalSandbox> {
         let (meta, img) = self.verified_image(snapshot).await?;
         diff::glob_roots(track)?;
-        self.restore_branch(&meta, &img, name, index, track, pod_uid)
-            .await
+        let rootfs = match rootfs {
+            Some(r) => Some(r.resolve(&self.inner.rootfs).await?),
+            None => None,
+        };
+        self.restore_branch(
+            &meta,
+            &img,
+            name,
+            index,
+            track,
+            RestoreOn { pod_uid, rootfs },
+        )
+        .await
     }
 
     /// The snapshot's metadata and image directory, once the image checks out (see

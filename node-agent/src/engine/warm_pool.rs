@@ -145,7 +145,14 @@ impl WarmPool {
             let made = async {
                 let (meta, img) = engine.verified_image(&snapshot).await?;
                 let sb = engine
-                    .restore_branch(&meta, &img, &format!("warm-{index}"), index, &[], None)
+                    .restore_branch(
+                        &meta,
+                        &img,
+                        &format!("warm-{index}"),
+                        index,
+                        &[],
+                        super::fork::RestoreOn::default(),
+                    )
                     .await?;
                 if let Err(e) = crate::freezer::pause(
                     engine.runsc(),

@@ -53,6 +53,7 @@ impl RemoteStore {
                     .map(|b| b.stored_size)
                     .unwrap_or(0);
                 received += self.fetch_file(&key, f, stored, &img.join(&f.name)).await?;
+                crate::fault::hold(crate::fault::DOWNLOAD_PARTIAL).await;
             }
             let local = local.clone();
             let meta = meta.clone();

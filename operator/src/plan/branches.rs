@@ -73,12 +73,18 @@ pub(super) fn observe_branches(
             message: format!("{} branches running from snapshot {snap_name}", names.len()),
         });
     } else if !all_running {
+        let msg = match p.waiting_for_node {
+            0 => "restoring branches".to_string(),
+            n => format!(
+                "restoring branches; {n} wait for a node with room under spec.placement.maxBranchesPerNode"
+            ),
+        };
         set(
             &mut p.status,
             FORKED,
             false,
             "Forking",
-            "restoring branches".into(),
+            msg,
             generation,
             now,
         );
@@ -107,6 +113,8 @@ fn branch_status(
     b.sandbox = Some(branch_sandbox_name(bs, name));
     let st = sbx.status.clone().unwrap_or_default();
     b.warm = st.restored_from.as_ref().is_some_and(|r| r.warm);
+    b.fetched = st.restored_from.as_ref().is_some_and(|r| r.fetched);
+    b.node = st.node_name.clone().or_else(|| sbx.spec.node_name.clone());
     if let Some(o) = &st.branch {
         b.exit_code = o.exit_code;
         b.verdict = o.verdict;

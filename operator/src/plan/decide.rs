@@ -95,7 +95,9 @@ pub(super) fn decide(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<(), String> {
                 generation,
                 now,
             );
-            p.requeue = Some(elapsed(now, deadline) + Duration::from_millis(50));
+            let at_deadline = elapsed(now, deadline) + Duration::from_millis(50);
+            // Sooner when branches wait for a node (fork asked for it).
+            p.requeue = Some(p.requeue.map_or(at_deadline, |r| r.min(at_deadline)));
         }
         return ControlFlow::Break(());
     };

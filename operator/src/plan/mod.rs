@@ -52,6 +52,11 @@ pub struct Observed<'a> {
     pub parent: Option<&'a Sandbox>,
     /// Sandboxes labelled as branches of this BranchSet.
     pub branches: &'a [Sandbox],
+    /// The nodes taking work, in the order to fill them (read only for a set with
+    /// `spec.placement`; empty otherwise).
+    pub nodes: &'a [String],
+    /// The operator runs in cluster mode (Pods placed by the scheduler).
+    pub cluster_mode: bool,
     pub now: Timestamp,
 }
 
@@ -76,6 +81,8 @@ pub struct Plan {
     pub notes: Vec<Note>,
     /// Reconcile again after this long even without a change (timeouts).
     pub requeue: Option<Duration>,
+    /// Branches not created because no node takes them under `maxBranchesPerNode`.
+    pub waiting_for_node: usize,
     /// Set on the reconcile that saw every branch running: apply-to-running latency.
     pub forked_after: Option<Duration>,
     /// Set on the reconcile that saw every loser gone: first verdict to siblings gone.
@@ -196,6 +203,16 @@ pub fn plan(obs: &Observed<'_>) -> Plan {
 fn plan_lifecycle(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<()> {
     if is_terminal(p.status.phase) {
         finish_cleanup(cx, p);
+        return ControlFlow::Break(());
+    }
+    if cx.bs.spec.placement.is_some() && cx.obs.cluster_mode {
+        fail(
+            p,
+            "PlacementUnsupported",
+            "spec.placement spreads branches over standalone node agents; in cluster mode each branch's Pod goes to its snapshot's node".into(),
+            cx.generation,
+            cx.now,
+        );
         return ControlFlow::Break(());
     }
     let snap_name = source::resolve_source(cx, p)?;

@@ -125,6 +125,8 @@ fn run(
         snapshot: snap,
         parent,
         branches,
+        nodes: &[],
+        cluster_mode: false,
         now: t(now),
     })
 }
@@ -144,6 +146,52 @@ fn a_sandbox_source_is_snapshotted_first() {
     assert_eq!(snap.spec.source.sandbox, "parent");
     assert_eq!(snap.metadata.owner_references.unwrap()[0].uid, "uid-1");
     assert!(p.create_branches.is_empty());
+}
+
+#[test]
+fn placement_spreads_branches_and_the_rest_wait_for_a_node() {
+    let bs = branchset(serde_json::json!({
+        "source": {"sandbox": "parent"}, "replicas": 5,
+        "placement": {"maxBranchesPerNode": 2}, "timeoutSeconds": 100,
+    }));
+    let nodes = ["n0".to_string(), "n1".to_string()];
+    let p = plan(&Observed {
+        bs: &bs,
+        snapshot: Some(&ready_snapshot()),
+        parent: Some(&parent()),
+        branches: &[],
+        nodes: &nodes,
+        cluster_mode: false,
+        now: t(2),
+    });
+    let placed: Vec<_> = p
+        .create_branches
+        .iter()
+        .map(|s| {
+            (
+                s.metadata.name.clone().unwrap(),
+                s.spec.node_name.clone().unwrap(),
+            )
+        })
+        .collect();
+    // The snapshot's node (n1) first, two each; the fifth waits and is looked at again.
+    assert_eq!(
+        placed,
+        [
+            ("bs-b0".to_string(), "n1".to_string()),
+            ("bs-b1".into(), "n1".into()),
+            ("bs-b2".into(), "n0".into()),
+            ("bs-b3".into(), "n0".into()),
+        ]
+    );
+    assert_eq!(p.waiting_for_node, 1);
+    assert!(p.requeue.is_some_and(|r| r <= Duration::from_secs(5)));
+    let forked = p.status.conditions.get_condition(FORKED).unwrap();
+    assert!(
+        forked.message.contains("1 wait for a node"),
+        "{}",
+        forked.message
+    );
 }
 
 #[test]

@@ -1,0 +1,351 @@
+//! Cross-node fork (`spec.placement`) on the real control plane, operator, three node
+//! agents on this machine, runsc and an object store (SeaweedFS, `hack/objectstore`):
+//! a best-of-12 with at most 4 branches per node restores 4 from the snapshot's node's
+//! own image and 8 on two other nodes from the object store's copy (downloaded once per
+//! node); the winner runs on another node than its parent, is shipped back through the
+//! store and committed Full (its memory and files become the parent's); exactly one
+//! winner; every node left clean.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod objectstore;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use ramify_crds::{BranchPhase, BranchSet, BranchSetPhase, Sandbox, SandboxPhase};
+use ramify_e2e::system::System;
+
+/// One System at a time: two operators side by side would bind each other's
+/// sandboxes, and extra nodes share their bridge names.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Counts in a shell variable (memory) and mirrors it to a file.
+const COUNTER: &str =
+    "mkdir -p /work && i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done";
+
+fn running(s: &Sandbox) -> bool {
+    s.status
+        .as_ref()
+        .is_some_and(|st| st.phase == SandboxPhase::Running)
+}
+
+async fn counter_on(sys: &System, state_dir: &std::path::Path, name: &str) -> u64 {
+    sys.number_on(state_dir, name, "/work/counter").await
+}
+
+async fn node_clean(sys: &System, state_dir: &std::path::Path, what: &str) {
+    sys.wait_node_clean(state_dir, None, what).await
+}
+
+const BEST_OF_12: &str = r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata: {name: spread}
+spec:
+  source: {sandbox: ws}
+  replicas: 12
+  placement: {maxBranchesPerNode: 4}
+  template:
+    run: [/bin/sh, -c, 'if [ "$RAMIFY_BRANCH_INDEX" = 9 ]; then echo won-by-9 > /work/winner; sleep 1; exit 0; fi; sleep 600; exit 1']
+  timeoutSeconds: 300
+"#;
+
+#[tokio::test]
+async fn a_best_of_twelve_spread_over_three_nodes_commits_one_winner_from_another_node() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sys = System::start_with("cross-node", &args, &[]).await;
+    let home = sys.node();
+    let n1 = sys.add_node().name.clone();
+    let n2 = sys.add_node().name.clone();
+    let state_of = |sys: &System, node: &str| {
+        if node == sys.node() {
+            sys.state_dir.clone()
+        } else {
+            sys.nodes
+                .iter()
+                .find(|n| n.name == node)
+                .unwrap()
+                .state_dir
+                .clone()
+        }
+    };
+    let remote = store.client();
+
+    // Paths commits diff the winner on its parent's node: refused with placement.
+    let mut bad: BranchSet = serde_yaml::from_str(BEST_OF_12).unwrap();
+    bad.metadata.name = Some("paths".into());
+    bad.spec.commit.mode = ramify_crds::CommitMode::Paths;
+    bad.spec.commit.paths = vec!["/work/**".into()];
+    let err = sys
+        .branchsets()
+        .create(&PostParams::default(), &bad)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("spec.placement") && err.contains("Paths"),
+        "{err}"
+    );
+
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "100m", "128Mi"));
+    let ws = sys.wait_sandbox("ws", "Running", 120, running).await;
+    assert_eq!(ws.status.unwrap().node_name.as_deref(), Some(home.as_str()));
+    let before = counter_on(&sys, &sys.state_dir, "ws").await;
+
+    let t0 = Instant::now();
+    sys.apply(BEST_OF_12);
+    let bs = sys
+        .wait_branchset("spread", "Committed", 300, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let st = bs.status.clone().unwrap();
+    assert_eq!(
+        st.phase,
+        BranchSetPhase::Committed,
+        "{:#?}\n{}",
+        st,
+        sys.diagnostics()
+    );
+    println!(
+        "committed {:.1} s after the apply",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(st.winner.as_deref(), Some("b9"));
+    // At most 4 per node: the snapshot's node first, from its own image; the others
+    // fetched the image from the object store.
+    let mut per_node: BTreeMap<String, Vec<(String, bool)>> = BTreeMap::new();
+    for b in &st.branches {
+        per_node
+            .entry(b.node.clone().unwrap_or_default())
+            .or_default()
+            .push((b.name.clone(), b.fetched));
+    }
+    println!("branches per node: {per_node:?}");
+    for node in [&home, &n1, &n2] {
+        let on = per_node.get(node.as_str()).cloned().unwrap_or_default();
+        assert_eq!(on.len(), 4, "{node}: {on:?}");
+        // A branch still restoring when the winner was decided never says where its
+        // image came from; every one that did says so.
+        if node == &home {
+            assert!(on.iter().all(|(_, f)| !*f), "{node}: {on:?}");
+        } else {
+            assert!(on.iter().any(|(_, f)| *f), "{node}: {on:?}");
+        }
+    }
+    let b9 = st.branches.iter().find(|b| b.name == "b9").unwrap();
+    assert_eq!(b9.node.as_deref(), Some(n2.as_str()));
+    assert!(b9.fetched, "{b9:?}");
+    assert_eq!(
+        st.branches
+            .iter()
+            .filter(|b| matches!(b.phase, BranchPhase::Won | BranchPhase::Succeeded))
+            .map(|b| b.name.as_str())
+            .collect::<Vec<_>>(),
+        ["b9"],
+        "exactly one winner: {:#?}",
+        st.branches
+    );
+    // Downloaded once per node, not once per branch.
+    let events: Api<Event> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let fetched: Vec<String> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Fetched"))
+        .filter_map(|e| e.note)
+        .collect();
+    println!("{fetched:#?}");
+    assert_eq!(fetched.len(), 2, "{fetched:#?}");
+    let shipped = sys.event("spread-b9", "Shipped").await;
+    println!("b9: {}", shipped.note.unwrap_or_default());
+
+    // The parent is the winner now: its file, and its memory (the counter) went on.
+    let parent = sys.sandboxes().get("ws").await.unwrap();
+    let pst = parent.status.clone().unwrap();
+    assert_eq!(pst.node_name.as_deref(), Some(home.as_str()));
+    assert_eq!(pst.last_commit.as_ref().unwrap().winner, "b9");
+    assert_eq!(
+        sys.exec_on(&sys.state_dir, "ws", "cat /work/winner")
+            .1
+            .trim(),
+        "won-by-9"
+    );
+    let after = counter_on(&sys, &sys.state_dir, "ws").await;
+    assert!(after > before, "counter {before} then {after}");
+    let later = {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        counter_on(&sys, &sys.state_dir, "ws").await
+    };
+    assert!(later > after, "the committed parent stopped counting");
+    println!("counter {before} before the fork, {after} after the commit, {later} later");
+
+    // Losers everywhere are gone; once the set goes, so do the fetched images and the
+    // object store's copies.
+    sys.wait_branches_gone("spread", 120).await;
+    sys.branchsets()
+        .delete("spread", &DeleteParams::default())
+        .await
+        .unwrap();
+    for node in [&n1, &n2] {
+        node_clean(&sys, &state_of(&sys, node), node).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = remote.list_images().await.unwrap();
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the object store still holds {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    sys.teardown_and_check_clean().await;
+}
+
+/// A one-per-node pair: `b0` on the snapshot's node never decides, `b1` on the other
+/// node commits.
+fn pair(name: &str) -> String {
+    format!(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata: {{name: {name}}}
+spec:
+  source: {{sandbox: ws}}
+  replicas: 2
+  placement: {{maxBranchesPerNode: 1}}
+  template:
+    run: [/bin/sh, -c, 'if [ "$RAMIFY_BRANCH_INDEX" = 1 ]; then echo {name} > /work/winner; exit 0; fi; sleep 600; exit 1']
+  timeoutSeconds: 240
+"#
+    )
+}
+
+async fn hold_reached(sys: &System, marker: &std::path::Path, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !marker.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: never reached\n{}",
+            sys.diagnostics()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn committed_by_b1(sys: &System, name: &str) {
+    let bs = sys
+        .wait_branchset(name, "ended", 240, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let st = bs.status.unwrap();
+    assert_eq!(st.phase, BranchSetPhase::Committed, "{st:#?}");
+    assert_eq!(st.winner.as_deref(), Some("b1"));
+    let won: Vec<&str> = st
+        .branches
+        .iter()
+        .filter(|b| matches!(b.phase, BranchPhase::Won | BranchPhase::Succeeded))
+        .map(|b| b.name.as_str())
+        .collect();
+    assert_eq!(won, ["b1"], "never two winners: {:#?}", st.branches);
+    let ws = sys.sandboxes().get("ws").await.unwrap();
+    let last = ws.status.unwrap().last_commit.unwrap();
+    assert_eq!(last.branch_set, name);
+    assert_eq!(
+        sys.exec_on(&sys.state_dir, "ws", "cat /work/winner")
+            .1
+            .trim(),
+        name
+    );
+}
+
+#[tokio::test]
+async fn node_agents_killed_mid_download_and_mid_cross_node_commit_resume_with_one_winner() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let fault_dir = std::env::temp_dir().join(format!("ramify-fault-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&fault_dir).unwrap();
+    let fault_dir_s = fault_dir.to_string_lossy().into_owned();
+    let env = [("RAMIFY_FAULT_DIR", fault_dir_s.as_str())];
+    let mut sys = System::start_with("cross-node-faults", &args, &env).await;
+    let n1 = sys.add_node().name.clone();
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "100m", "128Mi"));
+    sys.wait_sandbox("ws", "Running", 120, running).await;
+
+    // 1. The other node's agent is SIGKILLed with half the snapshot's image on its
+    //    disk; restarted, it downloads it again and its branch wins.
+    {
+        let agent = &mut sys.nodes[0].agent;
+        agent.kill().unwrap();
+        agent.set_env("RAMIFY_FAULT_HOLD", Some("download-partial"));
+        agent.start().unwrap();
+    }
+    sys.apply(&pair("mid-download"));
+    let marker = fault_dir.join("download-partial");
+    hold_reached(&sys, &marker, "n1's download").await;
+    {
+        let agent = &mut sys.nodes[0].agent;
+        agent.kill().unwrap();
+        agent.set_env("RAMIFY_FAULT_HOLD", None);
+        agent.start().unwrap();
+    }
+    std::fs::remove_file(&marker).unwrap();
+    committed_by_b1(&sys, "mid-download").await;
+    println!("killed mid-download on {n1}: restarted, downloaded again, committed");
+
+    // 2. The parent's agent is SIGKILLed with the shipped winner restored on its node
+    //    but not committed: restarted, it destroys that copy, restores it again and
+    //    commits it once.
+    sys.agent.kill().unwrap();
+    sys.agent
+        .set_env("RAMIFY_FAULT_HOLD", Some("shipped-restored"));
+    sys.agent.start().unwrap();
+    sys.apply(&pair("mid-commit"));
+    let marker = fault_dir.join("shipped-restored");
+    hold_reached(
+        &sys,
+        &marker,
+        "the parent's node restoring the shipped winner",
+    )
+    .await;
+    sys.agent.kill().unwrap();
+    sys.agent.set_env("RAMIFY_FAULT_HOLD", None);
+    sys.agent.start().unwrap();
+    std::fs::remove_file(&marker).unwrap();
+    committed_by_b1(&sys, "mid-commit").await;
+    let ws = sys.sandboxes().get("ws").await.unwrap();
+    assert_eq!(ws.status.unwrap().commits, 2, "each set committed once");
+    println!("killed mid-commit on the parent's node: restarted, committed once");
+
+    for name in ["mid-download", "mid-commit"] {
+        sys.wait_branches_gone(name, 120).await;
+        sys.branchsets()
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    let n1_state = sys.nodes[0].state_dir.clone();
+    node_clean(&sys, &n1_state, "n1").await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !remote_empty(&store).await {
+        assert!(Instant::now() < deadline, "the object store kept images");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    std::fs::remove_dir_all(&fault_dir).ok();
+    sys.teardown_and_check_clean().await;
+}
+
+async fn remote_empty(store: &objectstore::TestStore) -> bool {
+    store.client().list_images().await.unwrap().is_empty()
+}
