@@ -315,6 +315,10 @@ pub const REASON_RESUMING: &str = "Resuming";
 /// (they resume on other nodes from the object store) and fails undecided branches;
 /// the operator binds nothing new to it. Removing it ends the drain.
 pub const ANNOTATION_DRAIN: &str = "ramify.dev/drain";
+/// Annotation a node agent writes on its own Lease while its Node is cordoned
+/// (`spec.unschedulable`, as `kubectl cordon` and `kubectl drain` set it): the node
+/// drains as with [`ANNOTATION_DRAIN`] until it is uncordoned.
+pub const ANNOTATION_CORDONED: &str = "ramify.dev/cordoned";
 /// Annotation the parent's node agent sets on a winning branch that ran on another
 /// node (value: the BranchSet's uid): the winner's node checkpoints it and ships it
 /// through the object store (`status.shipped`) for a cross-node Full commit.

@@ -482,6 +482,14 @@ fn defaults_render_the_documented_deployment() {
                 assert_eq!(resources, ["secrets"], "{rule}");
                 assert_eq!(strings(&rule["verbs"]), ["get"], "{rule}");
             }
+            // And the agent gets (never lists, watches or patches) its own Node, to
+            // drain when it is cordoned.
+            if resources.contains(&"nodes") {
+                assert_eq!(o["metadata"]["name"], "ramify-node-agent", "{rule}");
+                assert_eq!(resources, ["nodes"], "{rule}");
+                assert_eq!(strings(&rule["verbs"]), ["get"], "{rule}");
+                continue;
+            }
             for forbidden in ["pods", "pods/exec", "nodes", "configmaps"] {
                 assert!(
                     !resources.contains(&forbidden),

@@ -678,3 +678,55 @@ spec:
     assert_eq!(code, 3, "{out}");
     sys.teardown_and_check_clean().await;
 }
+
+#[tokio::test]
+async fn a_cordoned_node_drains_its_workspace_and_takes_work_again_once_uncordoned() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sys = System::start_with("cordon", &args, &[]).await;
+    let n1 = sys.add_node().name.clone();
+    let home = sys.node();
+    let n1_state = sys.nodes[0].state_dir.clone();
+    // The Node object a kubelet would have registered for the agent's node.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(sys.client.clone());
+    let node: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": home}})).unwrap();
+    nodes
+        .create(&kube::api::PostParams::default(), &node)
+        .await
+        .unwrap();
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
+    let ws = sys
+        .wait_sandbox("ws", "Running", 120, |s| {
+            phase(s) == Some(SandboxPhase::Running)
+        })
+        .await;
+    assert_eq!(ws.status.unwrap().node_name.unwrap(), home);
+    let before = wait_counter_at_least(&sys, "ws", 20).await;
+
+    let kubectl = |args: &[&str]| {
+        let out = sys.cp.kubectl_run(args, None).unwrap();
+        assert!(out.success, "kubectl {args:?}: {}", out.stderr);
+    };
+    kubectl(&["cordon", &home]);
+    let t0 = Instant::now();
+    let why = format!("node {home} is being drained (its Node is cordoned)");
+    moved_to(&sys, &n1, &why, t0).await;
+    let after = wait_counter_on(&sys, &n1_state, "ws", before).await;
+    println!("counter {before} before the cordon, {after} on {n1}");
+    // Uncordoned, the node takes work again (a sandbox pinned there waits while it
+    // drains, then runs).
+    kubectl(&["uncordon", &home]);
+    sys.apply(
+        &sys.sandbox_yaml("pinned", "while true; do sleep 1; done", "100m", "64Mi")
+            .replace("spec:\n", &format!("spec:\n  nodeName: {home}\n")),
+    );
+    sys.wait_sandbox("pinned", "Running", 120, |s| {
+        phase(s) == Some(SandboxPhase::Running)
+    })
+    .await;
+    nodes.delete(&home, &DeleteParams::default()).await.unwrap();
+    sys.teardown_and_check_clean().await;
+}

@@ -570,9 +570,14 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 platform: platform.platform.as_str().into(),
                 duration: Duration::from_secs(15),
                 endpoint: endpoint.as_ref().map(|e| e.url.clone()),
+                drain_when_cordoned: mode == Mode::Standalone,
             };
-            let (drain_tx, drain) =
-                tokio::sync::watch::channel(lease::renew(&client, &announcement).await?);
+            let cordon = match announcement.drain_when_cordoned {
+                true => lease::cordoned(&client, &node_name).await,
+                false => None,
+            };
+            let asked = lease::renew(&client, &announcement, cordon.as_deref()).await?;
+            let (drain_tx, drain) = tokio::sync::watch::channel(asked.or(cordon));
             tokio::spawn(lease::heartbeat(client.clone(), announcement, drain_tx));
             let registry = Registry::open(state.state_dir.join("registry"))?;
             if let Some(ep) = endpoint {

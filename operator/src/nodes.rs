@@ -31,8 +31,9 @@ pub struct NodeAgent {
     /// CPU and memory for sandboxes, when the agent announces them (an agent that
     /// does not is bound against its sandbox count only).
     pub allocatable: Option<Requests>,
-    /// Why the node is being drained (`ramify.dev/drain` on its Lease): nothing new is
-    /// bound to it, and its suspended workspaces move off it.
+    /// Why the node is being drained (`ramify.dev/drain` on its Lease, or
+    /// `ramify.dev/cordoned` while its Node is cordoned): nothing new is bound to it,
+    /// and its suspended workspaces move off it.
     pub draining: Option<String>,
 }
 
@@ -76,8 +77,12 @@ pub async fn list(client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {
                 }),
                 _ => None,
             };
+            // Asked for (`kubectl ramify drain`), or its Node cordoned (the agent says so).
             let draining = ann
-                .and_then(|a| a.get(ramify_crds::ANNOTATION_DRAIN))
+                .and_then(|a| {
+                    a.get(ramify_crds::ANNOTATION_DRAIN)
+                        .or_else(|| a.get(ramify_crds::ANNOTATION_CORDONED))
+                })
                 .cloned();
             Some(NodeAgent {
                 draining,

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
@@ -31,6 +32,9 @@ pub struct Announcement {
     pub duration: Duration,
     /// The node endpoint `ramify-api` dials for exec, log and diff (`https://host:port`).
     pub endpoint: Option<String>,
+    /// Standalone mode: a cordoned Node drains the node's sandboxes. (In cluster mode
+    /// `kubectl drain` evicts their Pods like any other.)
+    pub drain_when_cordoned: bool,
 }
 
 pub use ramify_crds::node_lease_name as lease_name;
@@ -41,9 +45,14 @@ impl Announcement {
     }
 }
 
-/// Writes (creates or renews) the lease once; returns the drain the Lease asks for
-/// (its `ramify.dev/drain` annotation, written by someone else: `kubectl ramify drain`).
-pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<Option<String>> {
+/// Writes (creates or renews) the lease once, saying whether the node is `cordoned`;
+/// returns the drain the Lease asks for (its `ramify.dev/drain` annotation, written by
+/// someone else: `kubectl ramify drain`).
+pub async fn renew(
+    client: &Client,
+    a: &Announcement,
+    cordoned: Option<&str>,
+) -> kube::Result<Option<String>> {
     let api: Api<Lease> = Api::namespaced(client.clone(), &a.namespace);
     let mut body = json!({
         "apiVersion": "coordination.k8s.io/v1",
@@ -65,6 +74,10 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<Option<Str
             "renewTime": MicroTime(Timestamp::now()),
         },
     });
+    // Applied by this manager only while true: once it is left out, the apply drops it.
+    if let Some(why) = cordoned {
+        body["metadata"]["annotations"][ramify_crds::ANNOTATION_CORDONED] = json!(why);
+    }
     if let Some(url) = &a.endpoint {
         body["metadata"]["annotations"][ramify_crds::subresources::ANNOTATION_AGENT_ENDPOINT] =
             json!(url);
@@ -82,16 +95,39 @@ pub async fn renew(client: &Client, a: &Announcement) -> kube::Result<Option<Str
     })
 }
 
+/// Why the node is cordoned (its Node's `spec.unschedulable`), if it is. A node
+/// without a Node object (an agent beside no kubelet) is not; an error (no RBAC to
+/// read Nodes, an API outage) is logged and counts as not cordoned.
+pub async fn cordoned(client: &Client, node: &str) -> Option<String> {
+    let api: Api<Node> = Api::all(client.clone());
+    match api.get_opt(node).await {
+        Ok(n) => n
+            .and_then(|n| n.spec)
+            .and_then(|s| s.unschedulable)
+            .filter(|u| *u)
+            .map(|_| "its Node is cordoned".to_string()),
+        Err(e) => {
+            warn!(error = %e, "could not read this node's Node object");
+            None
+        }
+    }
+}
+
 /// Renews the lease forever (every third of its duration), and says on `drain` whether
-/// the node is being drained (and why).
+/// the node is being drained (and why): asked for on its Lease, or its Node cordoned.
 pub async fn heartbeat(
     client: Client,
     a: Announcement,
     drain: tokio::sync::watch::Sender<Option<String>>,
 ) {
     loop {
-        match renew(&client, &a).await {
+        let cordon = match a.drain_when_cordoned {
+            true => cordoned(&client, &a.node).await,
+            false => None,
+        };
+        match renew(&client, &a, cordon.as_deref()).await {
             Ok(d) => {
+                let d = d.or(cordon);
                 drain.send_if_modified(|now| {
                     let changed = *now != d;
                     *now = d;
