@@ -864,6 +864,7 @@ enum FaultVictim {
     Kubelet,
     NodeAgent,
     Operator,
+    ApiServer,
 }
 
 /// One cell of the cluster fault matrix on the shared bed: a workspace, a Full-commit
@@ -969,6 +970,12 @@ spec:
             bed.sys.operator.kill().unwrap();
             bed.sys.operator.start().unwrap();
         }
+        FaultVictim::ApiServer => {
+            // Same etcd data and certificates; the kubelet, the operator and the agent
+            // keep running and must find their way back on their own.
+            bed.sys.cp.kill_apiserver().unwrap();
+            bed.sys.cp.recover().unwrap();
+        }
     }
     // A held agent that was not the victim goes on from its hold point.
     std::fs::remove_file(&marker).ok();
@@ -1049,27 +1056,34 @@ spec:
     )
 }
 
-/// The fault matrix in cluster mode: the kubelet, the node agent and the operator
-/// SIGKILLed (and brought back) where a Pod-backed fork can lose something: while the
+/// The fault matrix in cluster mode: the kubelet, the node agent, the operator and the
+/// API server SIGKILLed (and brought back) where a Pod-backed fork can lose something: while the
 /// branch Pods start, with the winner decided, and inside the agent's Full commit (the
 /// parent's record names the winner's sandbox, which lives in the winner's Pod, not
 /// yet handed to the parent). After each: one winner committed once and the parent in
 /// the winner's Pod, or an end with a reason and the parent untouched; no Pod, sandbox
 /// or cgroup left. The matrix is printed.
 #[tokio::test]
-async fn kubelet_agent_and_operator_killed_at_each_step_lose_nothing() {
+async fn kubelet_agent_operator_and_api_server_killed_at_each_step_lose_nothing() {
     let _one_node = RealNode::exclusive().await;
     let mut bed = bed("cluster-faults").await;
-    let cells = [
-        (FaultStep::Fork, FaultVictim::Kubelet),
-        (FaultStep::Fork, FaultVictim::NodeAgent),
-        (FaultStep::Commit, FaultVictim::Kubelet),
-        (FaultStep::FullCommitSwap, FaultVictim::Kubelet),
-        (FaultStep::FullCommitSwap, FaultVictim::NodeAgent),
-        (FaultStep::FullCommitSwap, FaultVictim::Operator),
+    // Every step with every victim.
+    let steps = [
+        FaultStep::Fork,
+        FaultStep::Commit,
+        FaultStep::FullCommitSwap,
     ];
+    let victims = [
+        FaultVictim::Kubelet,
+        FaultVictim::NodeAgent,
+        FaultVictim::Operator,
+        FaultVictim::ApiServer,
+    ];
+    let cells = steps
+        .iter()
+        .flat_map(|s| victims.iter().map(move |v| (*s, *v)));
     let mut rows = Vec::new();
-    for (i, (step, victim)) in cells.into_iter().enumerate() {
+    for (i, (step, victim)) in cells.enumerate() {
         let outcome = cluster_fault_cell(&mut bed, i, step, victim).await;
         eprintln!("cluster fault: {step:?} x {victim:?}: {outcome}");
         rows.push(format!("| {step:?} | {victim:?} | {outcome} |"));
