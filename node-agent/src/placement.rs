@@ -318,8 +318,13 @@ impl Standalone {
             }
         });
         let netconf = cfg.conf_dir.join(format!("{}.conf", cfg.bridge));
-        std::fs::write(&netconf, serde_json::to_vec(&conf)?)
-            .map_err(|e| Error::io("write", &netconf, e))?;
+        // Atomically: every CLI run on this state (`exec`, `cleanup`) builds this too,
+        // and a truncate-then-write under a running agent's CNI ADD fed the plugin an
+        // empty config ("unexpected end of JSON input": a branch failed its restore).
+        let bytes = serde_json::to_vec(&conf)?;
+        if std::fs::read(&netconf).ok().as_deref() != Some(bytes.as_slice()) {
+            crate::private::write_atomic(&netconf, &bytes)?;
+        }
         Ok(Standalone { cfg, netconf })
     }
 
