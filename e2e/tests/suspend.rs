@@ -431,6 +431,17 @@ async fn store_drops(remote: &ramify_node_agent::remote::RemoteStore, sha256: &s
     }
 }
 
+/// A system of two nodes (its own and `n1`, whose name is returned) whose agents keep
+/// snapshot and suspended images in the test object store (under a prefix of their own).
+async fn two_nodes_with_store(name: &str) -> (System, objectstore::TestStore, String) {
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sys = System::start_with(name, &args, &[]).await;
+    let n1 = sys.add_node().name.clone();
+    (sys, store, n1)
+}
+
 /// Suspended, with its image's copy in the object store (`status.suspension.remote`).
 async fn wait_suspended_remote(sys: &System, name: &str) -> SuspensionStatus {
     let s = sys
@@ -496,11 +507,7 @@ fn scheduled(s: &Sandbox) -> (String, String) {
 #[tokio::test]
 async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_the_object_store() {
     let _serial = SERIAL.lock().await;
-    let store = objectstore::TestStore::new();
-    let args = store.agent_args();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut sys = System::start_with("suspend-move", &args, &[]).await;
-    let n1 = sys.add_node().name.clone();
+    let (mut sys, store, n1) = two_nodes_with_store("suspend-move").await;
     let (home, home_state) = (sys.node().to_string(), sys.state_dir.clone());
     let n1_state = sys.nodes[0].state_dir.clone();
     let remote = store.client();
@@ -574,11 +581,7 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
 #[tokio::test]
 async fn a_drained_node_moves_its_workspace_and_fails_its_undecided_branches() {
     let _serial = SERIAL.lock().await;
-    let store = objectstore::TestStore::new();
-    let args = store.agent_args();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut sys = System::start_with("drain", &args, &[]).await;
-    let n1 = sys.add_node().name.clone();
+    let (sys, _store, n1) = two_nodes_with_store("drain").await;
     let (home, home_state) = (sys.node().to_string(), sys.state_dir.clone());
     let n1_state = sys.nodes[0].state_dir.clone();
     sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
@@ -682,11 +685,7 @@ spec:
 #[tokio::test]
 async fn a_cordoned_node_drains_its_workspace_and_takes_work_again_once_uncordoned() {
     let _serial = SERIAL.lock().await;
-    let store = objectstore::TestStore::new();
-    let args = store.agent_args();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut sys = System::start_with("cordon", &args, &[]).await;
-    let n1 = sys.add_node().name.clone();
+    let (sys, _store, n1) = two_nodes_with_store("cordon").await;
     let home = sys.node();
     let n1_state = sys.nodes[0].state_dir.clone();
     // The Node object a kubelet would have registered for the agent's node.

@@ -70,11 +70,6 @@ impl Agent {
                 Some(r) if store.meta(&r.image_id).is_ok() => r,
                 _ => {
                     let t0 = std::time::Instant::now();
-                    // What a download cut short (a crash) left has no record: never
-                    // restored from, and in the way of the next download.
-                    if let Some(m) = remote.manifest(&sha).await? {
-                        store.remove(&m.image.id)?;
-                    }
                     let r = remote.download(store, &sha).await?;
                     self.metrics.transferred(
                         "download",

@@ -237,9 +237,6 @@ impl Agent {
         if store.meta(&rec.image_id).is_ok() {
             return Ok(());
         }
-        // A directory without its record is what a download cut short (a crash) left:
-        // nothing restores from it (every restore reads the record first).
-        store.remove(&rec.image_id)?;
         let t0 = std::time::Instant::now();
         match remote.download(store, &sha).await {
             Ok(r) if r.meta.id == rec.image_id => {

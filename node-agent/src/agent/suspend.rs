@@ -304,8 +304,6 @@ impl Agent {
         if store.meta(image).is_ok() {
             return Ok(()); // another restore downloaded it meanwhile
         }
-        // What a download cut short left (no record): never restored from.
-        store.remove(image)?;
         let t0 = std::time::Instant::now();
         let r = remote.download(store, sha256).await?;
         self.metrics.transferred(

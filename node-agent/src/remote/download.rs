@@ -40,6 +40,12 @@ impl RemoteStore {
                 key: self.manifest_key(image_sha256).to_string(),
             })?;
         let meta = manifest.image;
+        // A directory without its record is what a download cut short (a crash) left:
+        // nothing restores from it (every restore reads the record first), and it
+        // would stand in this one's way.
+        if local.meta(&meta.id).is_err() {
+            local.remove(&meta.id)?;
+        }
         let img = local.begin(&meta.id)?;
         let mut received = 0u64;
         let landed: Result<SnapshotMeta> = async {
