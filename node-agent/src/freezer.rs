@@ -82,6 +82,10 @@ pub async fn pause(
     // Paused already (by this agent before it restarted): runsc refuses a second
     // pause, and the mark must stay; only the depth may grow.
     if is_paused(dir) {
+        // Unless the agent died between the mark and `runsc pause`: then it still runs.
+        if !is_frozen(cgroups_path) && runsc.state(ctx).await?.status == "running" {
+            runsc.pause(ctx).await?;
+        }
         return match depth {
             Depth::Pause => Ok(()),
             Depth::Freeze => cgroup::freeze(cgroups_path).await,
@@ -110,7 +114,13 @@ pub async fn resume(runsc: &Runsc, ctx: &SandboxCtx, dir: &Path, cgroups_path: &
     if cgroup::freezer_state_path(cgroups_path).exists() {
         cgroup::thaw(cgroups_path)?;
     }
-    runsc.resume(ctx).await?;
+    if let Err(e) = runsc.resume(ctx).await {
+        // Marked, but the agent died before `runsc pause` ran: it runs already, and
+        // `runsc resume` refuses a running sandbox. Anything else is an error.
+        if !runsc.state(ctx).await.is_ok_and(|s| s.status == "running") {
+            return Err(e);
+        }
+    }
     let m = marker(dir);
     match std::fs::remove_file(&m) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io("remove", &m, e)),

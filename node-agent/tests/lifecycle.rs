@@ -738,3 +738,51 @@ async fn a_busy_sandbox_survives_many_pauses_and_resumes() {
     h.destroy_clean(sb).await;
     h.finish().await;
 }
+
+/// The agent marks a pause in the sandbox's directory before it runs `runsc pause`, so
+/// that a pause is never forgotten. Killed between the two, it leaves a mark on a
+/// running sandbox: the next resume (a winner thawed for its commit) must not fail on
+/// it forever (`runsc resume` refuses a running sandbox), and the next pause must
+/// really pause. Seen in the cluster fault matrix: the winner's commit retried
+/// `runsc resume` until the set timed out.
+#[tokio::test]
+async fn a_pause_mark_left_by_a_killed_agent_is_mended() {
+    let h = harness("pausemark").await;
+    let sb = h
+        .start(
+            "marked",
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done",
+            vec![],
+        )
+        .await;
+    let v = h.counter_past(&sb, 0).await;
+    let runsc = h.engine.runsc().clone();
+    let mark = sb.dir.join("paused");
+    use ramify_node_agent::freezer;
+    // Marked, never paused: the resume succeeds and clears the mark.
+    std::fs::write(&mark, b"").unwrap();
+    assert!(freezer::is_paused(&sb.dir));
+    freezer::resume(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path())
+        .await
+        .unwrap_or_else(|e| panic!("resume of a marked, running sandbox: {e}"));
+    assert!(!freezer::is_paused(&sb.dir));
+    let v = h.counter_past(&sb, v).await;
+    // Marked, never paused: a pause pauses it.
+    std::fs::write(&mark, b"").unwrap();
+    freezer::pause(
+        &runsc,
+        sb.ctx(),
+        &sb.dir,
+        sb.cgroups_path(),
+        freezer::Depth::Pause,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("pause of a marked, running sandbox: {e}"));
+    assert_eq!(runsc.state(sb.ctx()).await.unwrap().status, "paused");
+    freezer::resume(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path())
+        .await
+        .unwrap_or_else(|e| panic!("resume: {e}"));
+    h.counter_past(&sb, v).await;
+    h.destroy_clean(sb).await;
+    h.finish().await;
+}
