@@ -19,6 +19,7 @@ pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 // | Sandbox   | branch                                                        | node-agent/branch          |
 // | Sandbox   | commits, lastCommit (parent), commitRefused (winner)          | node-agent/commit          |
 // | Sandbox   | selfFork                                                      | node-agent/self-fork       |
+// | Sandbox   | phase, conditions[Ready] of a branch whose agent is gone (*)  | operator/node-lost         |
 // | Sandbox   | conditions[Reconciled] / conditions[NodeReconciled]           | operator/errors / node-agent/errors |
 // | Snapshot  | nodeName, conditions[Scheduled]                               | operator/snapshot-binding  |
 // | Snapshot  | phase, sizeBytes, sha256, runscVersion, platform,             | node-agent/snapshot        |
@@ -29,12 +30,16 @@ pub const API_VERSION: &str = "ramify.dev/v1alpha1";
 // | BranchSet | everything but conditions[Reconciled]                         | operator/branchset         |
 // | BranchSet | conditions[Reconciled]                                        | operator/errors            |
 //
-// One exception, exclusive in time: the operator's binding manager writes a Sandbox's
-// `phase` (`Failed`) when it refuses to bind it for good (its snapshot is unusable);
-// such a sandbox is never bound, so no node agent ever writes it. In cluster mode the
-// operator also owns each Sandbox's Pod (the whole object, created once as
-// `ramify-operator/pod`: [`crate::pod::MANAGER_OPERATOR_POD`]). The system test
-// `no_status_field_is_owned_by_two_field_managers` checks real objects' managed fields.
+// (*) Two exceptions, each exclusive in time: the operator's binding manager writes a
+// Sandbox's `phase` (`Failed`) when it refuses to bind it for good (its snapshot is
+// unusable); such a sandbox is never bound, so no node agent ever writes it. And the
+// operator's node-lost manager writes an undecided branch's `phase` (`Failed`) and
+// `conditions[Ready]` (`NodeLost`) once its node agent has been gone past a grace
+// period; that agent, should it come back, destroys the branch without writing it.
+// In cluster mode the operator also owns each Sandbox's Pod (the whole object, created
+// once as `ramify-operator/pod`: [`crate::pod::MANAGER_OPERATOR_POD`]). The system
+// test `no_status_field_is_owned_by_two_field_managers` checks real objects' managed
+// fields.
 
 /// Operator: a BranchSet's status (phase, branches, winner, effects).
 pub const MANAGER_OPERATOR_BRANCHSET: &str = "ramify-operator/branchset";
@@ -46,6 +51,10 @@ pub const MANAGER_OPERATOR_SANDBOX_BINDING: &str = "ramify-operator/sandbox-bind
 pub const MANAGER_OPERATOR_SNAPSHOT_BINDING: &str = "ramify-operator/snapshot-binding";
 /// Operator: the [`crate::CONDITION_RECONCILED`] condition (it owns only that).
 pub const MANAGER_OPERATOR_ERRORS: &str = "ramify-operator/errors";
+/// Operator: an undecided branch's `phase` (`Failed`) and `conditions[Ready]`
+/// ([`crate::REASON_NODE_LOST`]) once its node agent is gone for good; written only
+/// while that agent is away, which never writes the branch again.
+pub const MANAGER_OPERATOR_NODE_LOST: &str = "ramify-operator/node-lost";
 /// Node agent: a Sandbox's runtime status (phase, sandboxId, exit, Ready), also the
 /// parent's new `sandboxId` after a Full commit.
 pub const MANAGER_AGENT_SANDBOX: &str = "ramify-node-agent/sandbox";

@@ -117,6 +117,56 @@ pub const LABEL_SANDBOX_UID: &str = "ramify.dev/sandbox-uid";
 /// Label on a Sandbox's Pod: the Sandbox's name, when it fits a label value (63).
 pub const LABEL_SANDBOX: &str = "ramify.dev/sandbox";
 
+/// The label every object ramify manages carries, and its value.
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_BY_RAMIFY: &str = "ramify";
+/// The selector of every Pod ramify manages: Sandboxes' Pods and warm pool Pods (the
+/// operator's and the node agents' Pod watches).
+pub const MANAGED_PODS: &str = "app.kubernetes.io/managed-by=ramify";
+/// Label on a warm pool Pod: the UID of the Snapshot whose pool it belongs to. Removed
+/// when a branch adopts the Pod.
+pub const LABEL_WARM_POOL: &str = "ramify.dev/warm-pool";
+/// Annotation on a warm pool Pod: a hash of the requests and scheduling settings it was
+/// built with ([`PodSettings::for_branch`] of the snapshot's source). A branch adopts
+/// only a Pod built as its own would be.
+pub const ANNOTATION_POD_TEMPLATE: &str = "ramify.dev/pod-template";
+/// Event reason on a Snapshot whose warm pool Pods cannot be created (a ResourceQuota,
+/// an admission policy, its source gone): said, never a silent fallback.
+pub const REASON_WARM_POOL_UNAVAILABLE: &str = "WarmPoolUnavailable";
+
+/// The name of a Snapshot's `n`th warm pool Pod (a Pod name is at most 253
+/// characters: a long snapshot name is cut and made unique by a hash of it).
+pub fn warm_pod_name(snapshot: &str, n: u32) -> String {
+    const MAX: usize = 253;
+    let suffix = format!("-warm-{n}");
+    if snapshot.len() + suffix.len() <= MAX {
+        return format!("{snapshot}{suffix}");
+    }
+    // FNV-1a: stable across releases and platforms (names outlive the operator).
+    let h = snapshot.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let keep = MAX - suffix.len() - 17;
+    let mut cut = keep;
+    while !snapshot.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}-{h:016x}{suffix}", &snapshot[..cut])
+}
+
+impl PodSettings {
+    /// What of a parent's Pod settings its branches' Pods take: its tolerations and
+    /// priority (a branch runs where its snapshot is); its labels (which a Service may
+    /// select) and placement rules stay the parent's.
+    pub fn for_branch(&self) -> PodSettings {
+        PodSettings {
+            tolerations: self.tolerations.clone(),
+            priority_class_name: self.priority_class_name.clone(),
+            ..Default::default()
+        }
+    }
+}
+
 /// Operator: a Sandbox's Pod (the whole object, created with server-side apply).
 pub const MANAGER_OPERATOR_POD: &str = "ramify-operator/pod";
 
@@ -156,6 +206,17 @@ mod tests {
             assert_eq!(m.as_str().parse::<Mode>(), Ok(m));
         }
         assert!("kubernetes".parse::<Mode>().is_err());
+    }
+
+    #[test]
+    fn warm_pod_names_fit_a_pod_name() {
+        assert_eq!(warm_pod_name("snap", 3), "snap-warm-3");
+        let long = "s".repeat(253);
+        let a = warm_pod_name(&long, 31);
+        assert!(a.len() <= 253 && a.ends_with("-warm-31"), "{a}");
+        let mut other = long.clone();
+        other.replace_range(250.., "ttt");
+        assert_ne!(warm_pod_name(&other, 31), a, "cut names stay unique");
     }
 
     #[test]

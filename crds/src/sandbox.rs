@@ -331,6 +331,11 @@ pub const REASON_AWAITING_UPLOAD: &str = "AwaitingUpload";
 /// Reason a branch fails with (and of its Event) when its node is drained before its
 /// verdict.
 pub const REASON_NODE_DRAINED: &str = "NodeDrained";
+/// Reason of `Ready=False` (and of an Event) on a branch the operator failed because
+/// its node agent stayed gone past the operator's `--branch-node-lost-grace-seconds`
+/// before the branch's verdict: its BranchSet goes on without it, and the agent, should
+/// it come back, destroys the branch instead of reporting it running again.
+pub const REASON_NODE_LOST: &str = "NodeLost";
 
 /// A winner's checkpoint in the object store (`status.shipped`), written by its node
 /// agent once uploaded and verified.

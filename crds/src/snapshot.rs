@@ -190,4 +190,9 @@ pub struct WarmStatus {
     /// Claims that found the pool empty and fell back to a cold restore.
     #[serde(default)]
     pub misses: i64,
+    /// Cluster mode: the pool's Pods holding a ready branch (a branch adopts one of
+    /// them instead of getting a Pod of its own).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub pods: Vec<String>,
 }

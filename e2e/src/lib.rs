@@ -14,6 +14,7 @@ pub mod registry;
 pub mod scale;
 pub mod simulated_agent;
 pub mod system;
+pub mod webhook;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

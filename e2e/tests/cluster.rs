@@ -847,6 +847,248 @@ spec:
     bed.teardown().await;
 }
 
+/// Cluster mode's warm pool: a Snapshot keeps Pods on its node, each holding a frozen
+/// branch; a BranchSet's branches adopt those Pods (relabelled, re-owned) and thaw the
+/// branch already living in them, instead of waiting for Pods of their own; the pool
+/// refills with new Pods; a Full commit hands the winner's adopted Pod to the parent;
+/// deleting the Snapshot takes its Pods.
+#[tokio::test]
+async fn a_warm_pool_of_pods_serves_a_fork_and_refills() {
+    let _one_node = RealNode::exclusive().await;
+    let bed = bed("cluster-warm").await;
+    bed.sys.apply(&bed.sandbox(
+        "ws",
+        "mkdir -p /home/app && echo start > /home/app/f; i=0; while true; do i=$((i+1)); echo $i > /home/app/count; sleep 0.2; done",
+        "  pod:\n    labels: {app: pool-ws}\n",
+    ));
+    bed.phase("ws", SandboxPhase::Running, 300).await;
+    bed.sys.apply(
+        "apiVersion: ramify.dev/v1alpha1\nkind: Snapshot\nmetadata: {name: base}\nspec:\n  source: {sandbox: ws}\n  warmPool: {size: 3}\n",
+    );
+    let snaps: Api<ramify_crds::Snapshot> =
+        Api::namespaced(bed.sys.client.clone(), &bed.sys.ns.name);
+    let snap = bed
+        .sys
+        .wait_for(snaps.clone(), "base", "a warm pool of 3 Pods", 300, |s| {
+            s.status
+                .as_ref()
+                .and_then(|st| st.warm.as_ref())
+                .is_some_and(|w| w.ready == 3 && w.pods.len() == 3)
+        })
+        .await;
+    let snap_uid = snap.metadata.uid.clone().unwrap();
+    let pool: Vec<String> = snap.status.unwrap().warm.unwrap().pods;
+    let listed = bed
+        .pods()
+        .list(&ListParams::default().labels(&format!("ramify.dev/warm-pool={snap_uid}")))
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.items.len(),
+        3,
+        "{:?}",
+        listed
+            .items
+            .iter()
+            .map(|p| p.name_any())
+            .collect::<Vec<_>>()
+    );
+    for p in &listed.items {
+        assert!(
+            pool.contains(&p.name_any()),
+            "{} not in {pool:?}",
+            p.name_any()
+        );
+        let owner = &p.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), Some(&owner.uid)),
+            ("Snapshot", Some(&snap_uid))
+        );
+        assert!(
+            !p.labels().contains_key("app"),
+            "a pool Pod is not the source's"
+        );
+        assert_eq!(
+            p.spec.as_ref().unwrap().node_name.as_deref(),
+            Some(bed.node.name.as_str())
+        );
+    }
+
+    // The effects gate too: each branch asks for an effect; only the winner's runs,
+    // once, after approval.
+    let (url, seen) = ramify_e2e::webhook::receiver().await;
+    let effect = |b: &str| {
+        format!(
+            r#"echo {b} > /home/app/f && echo '{{\"kind\":\"deploy\",\"payload\":{{\"by\":\"{b}\"}}}}' > /run/ramify/effects/01-deploy.json"#
+        )
+    };
+    bed.sys.apply(&format!(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: pick
+spec:
+  source: {{snapshot: base}}
+  branches:
+    - name: a
+      run: ["/bin/sh", "-c", "{}"]
+    - name: b
+      run: ["/bin/sh", "-c", "{}"]
+    - name: c
+      run: ["/bin/sh", "-c", "{}"]
+  verdict:
+    command: ["/bin/sh", "-c", "sleep 2; grep -q b /home/app/f"]
+  commit:
+    mode: Full
+  effects:
+    approval: Required
+    executor: {{webhook: {{url: "{url}"}}}}
+  timeoutSeconds: 240
+"#,
+        effect("a"),
+        effect("b"),
+        effect("c")
+    ));
+    // Every branch runs in a pool Pod (each its own), adopted: labelled with its UID
+    // and owned by it; each was served warm; none got a Pod of its own name.
+    let mut adopted = Vec::new();
+    for b in ["pick-a", "pick-b", "pick-c"] {
+        let s = bed.phase(b, SandboxPhase::Running, 240).await;
+        let st = s.status.clone().unwrap();
+        let pod = st.pod.clone().expect("status.pod");
+        assert!(
+            pool.contains(&pod.name),
+            "{b} runs in {} (pool {pool:?})",
+            pod.name
+        );
+        assert!(
+            st.restored_from.as_ref().is_some_and(|r| r.warm),
+            "{b}: {:?}",
+            st.restored_from
+        );
+        let p = bed.pods().get(&pod.name).await.unwrap();
+        assert_eq!(p.labels().get(LABEL_SANDBOX_UID), s.metadata.uid.as_ref());
+        assert!(!p.labels().contains_key("ramify.dev/warm-pool"));
+        let owner = &p.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), Some(&owner.uid)),
+            ("Sandbox", s.metadata.uid.as_ref())
+        );
+        assert!(
+            bed.pods().get_opt(b).await.unwrap().is_none(),
+            "{b} got a Pod of its own"
+        );
+        adopted.push(pod.name);
+    }
+    let adopted_by = adopted.clone();
+    adopted.sort();
+    adopted.dedup();
+    assert_eq!(adopted.len(), 3, "two branches share a Pod: {adopted:?}");
+
+    // The Full commit: the parent runs in the winner's adopted Pod.
+    bed.committed("pick", "b").await;
+    let winner_pod = adopted_by[1].clone();
+    bed.until(
+        "the parent holds the winner's adopted Pod",
+        120,
+        async || {
+            bed.current_pod("ws").await == winner_pod
+                && bed.pods().get_opt("ws").await.unwrap().is_none()
+        },
+    )
+    .await;
+    // A Service selecting the parent reaches that Pod: it carries the parent's labels.
+    let held = bed.pods().get(&winner_pod).await.unwrap();
+    assert_eq!(
+        held.labels().get("app").map(String::as_str),
+        Some("pool-ws")
+    );
+    assert_eq!(bed.sys.exec("ws", "cat /home/app/f").1, "b");
+    let (_, c1) = bed.sys.exec("ws", "cat /home/app/count");
+    bed.until("the committed workspace counts on", 30, async || {
+        let (_, c2) = bed.sys.exec("ws", "cat /home/app/count");
+        c2.parse::<u64>().unwrap_or(0) > c1.parse::<u64>().unwrap_or(u64::MAX)
+    })
+    .await;
+    bed.sys.wait_branches_gone("pick", 120).await;
+
+    // The winner's effect waits for approval, then runs once; the losers' never.
+    bed.sys
+        .wait_branchset("pick", "the winner's effect awaits approval", 60, |b| {
+            b.status.as_ref().is_some_and(|s| {
+                s.effects.iter().any(|e| {
+                    e.id == "b/01-deploy.json"
+                        && e.state == ramify_crds::EffectState::AwaitingApproval
+                })
+            })
+        })
+        .await;
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "nothing runs before approval"
+    );
+    let (code, _, err) = bed.sys.plugin(&["approve", "pick"]);
+    assert_eq!(code, 0, "{err}");
+    bed.sys
+        .wait_branchset("pick", "the winner's effect executed", 60, |b| {
+            b.status.as_ref().is_some_and(|s| {
+                s.effects.iter().any(|e| {
+                    e.id == "b/01-deploy.json" && e.state == ramify_crds::EffectState::Executed
+                })
+            })
+        })
+        .await;
+    let calls = seen.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1, "{calls:#?}");
+    assert_eq!(calls[0].1["payload"]["by"], "b");
+
+    // The pool refills with new Pods.
+    let refilled = bed
+        .sys
+        .wait_for(snaps.clone(), "base", "the pool refilled", 300, |s| {
+            s.status
+                .as_ref()
+                .and_then(|st| st.warm.as_ref())
+                .is_some_and(|w| w.ready == 3)
+        })
+        .await;
+    let again = refilled.status.unwrap().warm.unwrap().pods;
+    assert!(
+        again.iter().all(|p| !adopted.contains(p)),
+        "{again:?} vs {adopted:?}"
+    );
+
+    // The Snapshot goes, and its Pods with it.
+    snaps
+        .delete("base", &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.until("the pool's Pods are gone", 120, async || {
+        bed.pods()
+            .list(&ListParams::default().labels(&format!("ramify.dev/warm-pool={snap_uid}")))
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    })
+    .await;
+    bed.sys
+        .sandboxes()
+        .delete("ws", &DeleteParams::default())
+        .await
+        .unwrap();
+    bed.until("no Pod is left", 120, async || {
+        bed.pods()
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    })
+    .await;
+    bed.teardown().await;
+}
+
 /// Where a cluster-mode fault strikes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum FaultStep {

@@ -4,7 +4,8 @@
 //! own image and 8 on two other nodes from the object store's copy (downloaded once per
 //! node); the winner runs on another node than its parent, is shipped back through the
 //! store and committed Full (its memory and files become the parent's); exactly one
-//! winner; every node left clean.
+//! winner; every node left clean. A node agent killed and gone for good: its undecided
+//! branches fail (`NodeLost`) and the set commits one of the others, once.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod objectstore;
@@ -343,6 +344,223 @@ async fn node_agents_killed_mid_download_and_mid_cross_node_commit_resume_with_o
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     std::fs::remove_dir_all(&fault_dir).ok();
+    sys.teardown_and_check_clean().await;
+}
+
+/// Three branches, one per node: `b0` (on the parent's node) commits once told to
+/// (`/work/go`), the others never decide.
+const ONE_PER_NODE: &str = r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata: {name: lost}
+spec:
+  source: {sandbox: ws}
+  replicas: 3
+  placement: {maxBranchesPerNode: 1}
+  template:
+    run: [/bin/sh, -c, 'if [ "$RAMIFY_BRANCH_INDEX" = 0 ]; then while [ ! -e /work/go ]; do sleep 0.2; done; echo survivor > /work/winner; exit 0; fi; sleep 600; exit 1']
+  timeoutSeconds: 300
+"#;
+
+/// The operator's branch grace in this test: short, so the test waits on the lease.
+const BRANCH_GRACE_SECONDS: &str = "3";
+
+fn failed_for_lost_node(s: &Sandbox) -> bool {
+    use ramify_crds::ConditionsExt;
+    s.status.as_ref().is_some_and(|st| {
+        st.phase == SandboxPhase::Failed
+            && st
+                .conditions
+                .get_condition("Ready")
+                .is_some_and(|c| c.reason == ramify_crds::REASON_NODE_LOST)
+    })
+}
+
+#[tokio::test]
+async fn a_node_agent_gone_for_good_fails_its_branches_and_the_set_commits_without_them() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sys = System::start_configured(
+        "node-lost",
+        &args,
+        &[],
+        &["--branch-node-lost-grace-seconds", BRANCH_GRACE_SECONDS],
+        None,
+    )
+    .await;
+    let home = sys.node();
+    let n1 = sys.add_node().name.clone();
+    let n2 = sys.add_node().name.clone();
+    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "100m", "128Mi"));
+    let ws = sys.wait_sandbox("ws", "Running", 120, running).await;
+    assert_eq!(ws.status.unwrap().node_name.as_deref(), Some(home.as_str()));
+
+    // Every branch runs, one per node: b0 on the parent's node.
+    sys.apply(ONE_PER_NODE);
+    let bs = sys
+        .wait_branchset("lost", "every branch running", 240, |b| {
+            b.status.as_ref().is_some_and(|s| {
+                s.branches.len() == 3 && s.branches.iter().all(|b| b.phase == BranchPhase::Running)
+            })
+        })
+        .await;
+    let st = bs.status.unwrap();
+    let node_of = |name: &str| {
+        st.branches
+            .iter()
+            .find(|b| b.name == name)
+            .and_then(|b| b.node.clone())
+            .unwrap()
+    };
+    assert_eq!(node_of("b0"), home);
+    let on_n1: Vec<String> = st
+        .branches
+        .iter()
+        .filter(|b| b.node.as_deref() == Some(n1.as_str()))
+        .map(|b| b.name.clone())
+        .collect();
+    assert_eq!(on_n1.len(), 1, "{:#?}", st.branches);
+    let lost_branch = on_n1[0].clone();
+    let lost_sandbox = format!("lost-{lost_branch}");
+    let other = ["b1", "b2"]
+        .into_iter()
+        .find(|b| *b != lost_branch)
+        .unwrap()
+        .to_string();
+    assert_eq!(node_of(&other), n2);
+
+    // n1's agent dies and stays down.
+    let n1_index = sys.nodes.iter().position(|n| n.name == n1).unwrap();
+    sys.nodes[n1_index].agent.kill().unwrap();
+    let killed = Instant::now();
+
+    // Its branch fails for it, saying so on the Sandbox (with an Event) and in the set.
+    let failed = sys
+        .wait_sandbox(&lost_sandbox, "failed NodeLost", 120, failed_for_lost_node)
+        .await;
+    let after = killed.elapsed();
+    eprintln!(
+        "NodeLost {:.1} s after n1's agent was killed (lease 15 s + grace {BRANCH_GRACE_SECONDS} s)",
+        after.as_secs_f64()
+    );
+    // Renewed every 5 s for 15 s: it ran out 10 to 15 s after the kill, then the grace.
+    assert!(
+        after >= Duration::from_secs(13),
+        "NodeLost before the lease and the grace ran out: {after:?}"
+    );
+    let ready = {
+        use ramify_crds::ConditionsExt;
+        failed
+            .status
+            .as_ref()
+            .unwrap()
+            .conditions
+            .get_condition("Ready")
+            .cloned()
+            .unwrap()
+    };
+    assert!(ready.message.contains(&n1), "{}", ready.message);
+    let event = sys
+        .event(&lost_sandbox, ramify_crds::REASON_NODE_LOST)
+        .await;
+    assert_eq!(event.type_.as_deref(), Some("Warning"));
+    let lb = lost_branch.clone();
+    let bs = sys
+        .wait_branchset("lost", "the lost branch failed", 60, move |b| {
+            b.status.as_ref().is_some_and(|s| {
+                s.branches.iter().any(|b| {
+                    b.name == lb
+                        && b.phase == BranchPhase::Failed
+                        && b.reason.starts_with(ramify_crds::REASON_NODE_LOST)
+                })
+            })
+        })
+        .await;
+    let st = bs.status.unwrap();
+    assert!(st.winner.is_none(), "{st:#?}");
+    assert!(!st.phase.is_ended(), "the set goes on: {st:#?}");
+
+    // The branch on the parent's node commits: the set commits it, once.
+    let (code, out) = sys.exec_on(&sys.state_dir, "lost-b0", "touch /work/go");
+    assert_eq!(code, 0, "{out}");
+    let bs = sys
+        .wait_branchset("lost", "ended", 240, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let st = bs.status.unwrap();
+    assert_eq!(
+        st.phase,
+        BranchSetPhase::Committed,
+        "{st:#?}\n{}",
+        sys.diagnostics()
+    );
+    assert_eq!(st.winner.as_deref(), Some("b0"));
+    let won: Vec<&str> = st
+        .branches
+        .iter()
+        .filter(|b| matches!(b.phase, BranchPhase::Won | BranchPhase::Succeeded))
+        .map(|b| b.name.as_str())
+        .collect();
+    assert_eq!(won, ["b0"], "never two winners: {:#?}", st.branches);
+    let lost = st.branches.iter().find(|b| b.name == lost_branch).unwrap();
+    assert_eq!(lost.phase, BranchPhase::Failed, "{lost:?}");
+    assert!(
+        lost.reason.starts_with(ramify_crds::REASON_NODE_LOST),
+        "{lost:?}"
+    );
+    let ws = sys.sandboxes().get("ws").await.unwrap();
+    let wst = ws.status.clone().unwrap();
+    assert_eq!(wst.commits, 1, "committed exactly once");
+    assert_eq!(wst.last_commit.as_ref().unwrap().winner, "b0");
+    assert_eq!(
+        sys.exec_on(&sys.state_dir, "ws", "cat /work/winner")
+            .1
+            .trim(),
+        "survivor"
+    );
+    println!("committed b0 without {lost_branch} (NodeLost on {n1}); {other} on {n2} invalidated");
+
+    // Nothing of the set is left on the nodes that stayed up (the lost node's branch
+    // object waits for its node).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while sys
+        .sandboxes()
+        .get_opt(&format!("lost-{other}"))
+        .await
+        .unwrap()
+        .is_some()
+    {
+        assert!(Instant::now() < deadline, "lost-{other} was never removed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let n2_state = sys
+        .nodes
+        .iter()
+        .find(|n| n.name == n2)
+        .unwrap()
+        .state_dir
+        .clone();
+    let keep = wst.sandbox_id.clone().unwrap();
+    sys.branchsets()
+        .delete("lost", &DeleteParams::default())
+        .await
+        .unwrap();
+    node_clean(&sys, &n2_state, &n2).await;
+    sys.wait_node_clean(&sys.state_dir, Some(&keep), "the parent's node")
+        .await;
+
+    // Brought back at last (to leave the machine clean): it removes what it held.
+    let n1_state = sys.nodes[n1_index].state_dir.clone();
+    sys.nodes[n1_index].agent.start().unwrap();
+    sys.wait_branches_gone("lost", 120).await;
+    node_clean(&sys, &n1_state, &n1).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !remote_empty(&store).await {
+        assert!(Instant::now() < deadline, "the object store kept images");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     sys.teardown_and_check_clean().await;
 }
 

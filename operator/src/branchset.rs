@@ -3,6 +3,7 @@
 //! winner is recorded by exactly one write even across operator replicas and restarts
 //! (and the schema refuses any later change of `status.winner`).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,9 +12,13 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
-use ramify_crds::{BranchPhase, BranchSet, LABEL_BRANCHSET, LABEL_NODE, Sandbox, Snapshot};
+use ramify_crds::capacity::CONDITION_READY;
+use ramify_crds::{
+    BranchPhase, BranchSet, LABEL_BRANCHSET, LABEL_NODE, MANAGER_OPERATOR_NODE_LOST,
+    REASON_NODE_LOST, Sandbox, SandboxPhase, Snapshot,
+};
 use serde_json::json;
-use tracing::{debug, instrument};
+use tracing::{debug, instrument, warn};
 
 use crate::context::Context;
 use crate::error::{Result, is_not_found};
@@ -108,13 +113,16 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
             branches.push(live);
         }
     }
-    let nodes = placement_nodes(ctx, bs).await?;
+    let agents = node_agents(ctx, bs, &branches).await?;
+    let nodes = placement_nodes(bs, &agents);
+    let lost = lost_nodes(&agents, ctx.settings.branch_node_lost_grace);
     let mut plan = plan::plan(&Observed {
         bs,
         snapshot: snapshot.as_ref(),
         parent: parent.as_ref(),
         branches: &branches,
         nodes: &nodes,
+        lost_nodes: &lost,
         cluster_mode: ctx.settings.mode == ramify_crds::pod::Mode::Cluster,
         now: Timestamp::now(),
     });
@@ -212,6 +220,7 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
         }
     });
     futures::future::try_join_all(deletions).await?;
+    fail_lost(ctx, &sandboxes, &branches, &plan.fail_lost).await?;
     abort_nested(ctx, &ns, &plan.invalidated_parents).await?;
     if let Some(snap) = &plan.create_snapshot {
         create_ignoring_exists(&snapshots, snap).await?;
@@ -222,6 +231,9 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
         create_branches(ctx, &uid, &sandboxes, &plan.create_branches).await?;
     }
     let mut next = plan.requeue.unwrap_or(Duration::from_secs(300));
+    if let Some(watch) = watch_nodes(&plan.status, &agents) {
+        next = next.min(watch);
+    }
     if let Some(left) = ttl_left {
         next = next.min(left + Duration::from_millis(100));
     }
@@ -280,24 +292,155 @@ pub fn to_confirm(bs: &BranchSet, cached: &[Sandbox]) -> Vec<String> {
         .collect()
 }
 
-/// The nodes a set with `spec.placement` spreads its branches over: those taking work
-/// (live, not draining), by name. Listed (through the lease cache) only while such a
-/// set may still create branches.
-async fn placement_nodes(ctx: &Context, bs: &BranchSet) -> Result<Vec<String>> {
-    let st = bs.status.as_ref();
-    if bs.spec.placement.is_none() || st.is_some_and(|s| s.winner.is_some() || s.phase.is_ended()) {
+/// How often an undecided set looks at its branches' nodes without an event: a node
+/// agent's death is no change of any object the set watches.
+const UNDECIDED_REQUEUE: Duration = Duration::from_secs(15);
+/// How often while a node carrying one of its undecided branches is not live: its
+/// branches fail soon after the grace runs out.
+const NODE_DOWN_REQUEUE: Duration = Duration::from_secs(2);
+
+/// The node agents (through the lease cache), listed only while the set is undecided
+/// and may still spread branches (`spec.placement`) or has branches whose node may be
+/// lost; empty otherwise.
+async fn node_agents(
+    ctx: &Context,
+    bs: &BranchSet,
+    branches: &[Sandbox],
+) -> Result<Vec<crate::nodes::NodeAgent>> {
+    let decided = bs
+        .status
+        .as_ref()
+        .is_some_and(|s| s.winner.is_some() || s.phase.is_ended());
+    if decided || (bs.spec.placement.is_none() && branches.is_empty()) {
         return Ok(Vec::new());
     }
-    let mut nodes: Vec<String> = ctx
-        .nodes
+    ctx.nodes
         .list(&ctx.client, &ctx.settings.system_namespace)
-        .await?
-        .into_iter()
+        .await
+}
+
+/// The nodes a set with `spec.placement` spreads its branches over: those taking work
+/// (live, not draining), by name.
+fn placement_nodes(bs: &BranchSet, agents: &[crate::nodes::NodeAgent]) -> Vec<String> {
+    if bs.spec.placement.is_none() {
+        return Vec::new();
+    }
+    let mut nodes: Vec<String> = agents
+        .iter()
         .filter(|a| a.takes_work())
-        .map(|a| a.node)
+        .map(|a| a.node.clone())
         .collect();
     nodes.sort();
-    Ok(nodes)
+    nodes
+}
+
+/// The nodes whose agent has been gone longer than `grace`, with how long: their
+/// undecided branches fail (`NodeLost`).
+pub fn lost_nodes(
+    agents: &[crate::nodes::NodeAgent],
+    grace: Duration,
+) -> BTreeMap<String, Duration> {
+    agents
+        .iter()
+        .filter_map(|a| Some((a.node.clone(), a.gone_for.filter(|g| *g > grace)?)))
+        .collect()
+}
+
+/// When to look again at an undecided set's nodes without an event: every
+/// [`UNDECIDED_REQUEUE`], and every [`NODE_DOWN_REQUEUE`] while a node carrying one of
+/// its undecided branches is not live. `None` once the set is decided.
+pub fn watch_nodes(
+    status: &ramify_crds::BranchSetStatus,
+    agents: &[crate::nodes::NodeAgent],
+) -> Option<Duration> {
+    if status.winner.is_some() || status.phase.is_ended() {
+        return None;
+    }
+    let undecided: Vec<&ramify_crds::BranchStatus> = status
+        .branches
+        .iter()
+        .filter(|b| {
+            matches!(
+                b.phase,
+                BranchPhase::Pending | BranchPhase::Forking | BranchPhase::Running
+            )
+        })
+        .collect();
+    if undecided.is_empty() {
+        return None;
+    }
+    let down = undecided.iter().any(|b| {
+        agents
+            .iter()
+            .any(|a| !a.live && b.node.as_deref() == Some(a.node.as_str()))
+    });
+    Some(if down {
+        NODE_DOWN_REQUEUE
+    } else {
+        UNDECIDED_REQUEUE
+    })
+}
+
+/// Fails each branch Sandbox whose node agent is gone for good: phase `Failed` and
+/// `Ready=False` (`NodeLost`) as [`MANAGER_OPERATOR_NODE_LOST`] (its agent writes
+/// nothing meanwhile, and on its return destroys the branch), guarded by the
+/// resourceVersion read, so a verdict that landed meanwhile is never overwritten; and a
+/// Warning Event on it. The set's status, written before, already records them failed.
+async fn fail_lost(
+    ctx: &Context,
+    sandboxes: &Api<Sandbox>,
+    branches: &[Sandbox],
+    lost: &[plan::LostBranch],
+) -> Result<()> {
+    for l in lost {
+        let Some(sbx) = branches
+            .iter()
+            .find(|s| s.metadata.name.as_deref() == Some(l.sandbox.as_str()))
+        else {
+            continue;
+        };
+        let mut conditions = Vec::new();
+        ramify_crds::ConditionsExt::set_condition(
+            &mut conditions,
+            ramify_crds::Condition::new(
+                CONDITION_READY,
+                ramify_crds::ConditionStatus::False,
+                REASON_NODE_LOST,
+                l.message.clone(),
+                sbx.metadata.generation,
+            ),
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()),
+        );
+        let written = crate::writes::status(
+            sandboxes,
+            &l.sandbox,
+            MANAGER_OPERATOR_NODE_LOST,
+            sbx.metadata.resource_version.as_deref(),
+            &json!({"phase": SandboxPhase::Failed, "conditions": conditions}),
+        )
+        .await;
+        match written {
+            Ok(_) => {}
+            // Changed since read (a verdict, or its agent back): the next reconcile,
+            // which that change triggers, looks again.
+            Err(e) if e.is_conflict() => {
+                debug!(sandbox = %l.sandbox, "branch changed before it was failed for its lost node");
+                continue;
+            }
+            Err(crate::error::Error::Kube(e)) if is_not_found(&e) => continue,
+            Err(e) => return Err(e),
+        }
+        warn!(sandbox = %l.sandbox, node = %l.node, "branch failed: its node agent is gone");
+        ctx.metrics.branches_node_lost.inc();
+        ctx.event(
+            &sbx.object_ref(&()),
+            true,
+            REASON_NODE_LOST,
+            l.message.clone(),
+        )
+        .await;
+    }
+    Ok(())
 }
 
 /// Sets the BranchSet's [`LABEL_NODE`] (server-side apply of that one label).
@@ -530,6 +673,52 @@ mod tests {
             "spec": {"command": ["sh"]},
         }))
         .unwrap()
+    }
+
+    fn agent(node: &str, gone_for: Option<u64>) -> crate::nodes::NodeAgent {
+        crate::nodes::NodeAgent {
+            node: node.into(),
+            live: gone_for.is_none(),
+            capacity: 4,
+            allocatable: None,
+            draining: None,
+            gone_for: gone_for.map(Duration::from_secs),
+        }
+    }
+
+    #[test]
+    fn a_node_is_lost_once_its_agent_is_gone_past_the_grace() {
+        let agents = [
+            agent("live", None),
+            agent("late", Some(59)),
+            agent("gone", Some(61)),
+        ];
+        let lost = lost_nodes(&agents, Duration::from_secs(60));
+        assert_eq!(
+            lost.into_iter().collect::<Vec<_>>(),
+            [("gone".to_string(), Duration::from_secs(61))]
+        );
+    }
+
+    #[test]
+    fn an_undecided_set_looks_at_its_nodes_sooner_while_one_is_down() {
+        let with_nodes = |phase: &str| {
+            let mut bs = set(phase, &[("a", "Running"), ("b", "Failed")]);
+            let st = bs.status.as_mut().unwrap();
+            st.branches[0].node = Some("n1".into());
+            st.branches[1].node = Some("n2".into());
+            st.clone()
+        };
+        let running = with_nodes("Running");
+        let up = [agent("n1", None), agent("n2", Some(5))];
+        assert_eq!(watch_nodes(&running, &up), Some(UNDECIDED_REQUEUE));
+        // n2 carries only an ended branch; n1 carries an undecided one.
+        let down = [agent("n1", Some(1)), agent("n2", None)];
+        assert_eq!(watch_nodes(&running, &down), Some(NODE_DOWN_REQUEUE));
+        let mut decided = with_nodes("Committing");
+        decided.winner = Some("a".into());
+        assert_eq!(watch_nodes(&decided, &down), None);
+        assert_eq!(watch_nodes(&with_nodes("Exhausted"), &down), None);
     }
 
     #[test]

@@ -494,6 +494,7 @@ mod tests {
                 memory_bytes: 8 << 30,
             }),
             draining: None,
+            gone_for: None,
         };
         let cand = sbx("new", "1", json!({}));
         let agents = [agent("small", 500), agent("big", 4000)];

@@ -158,6 +158,10 @@ pub struct Settings {
     /// After a node agent's lease has been dead this long, its objects' finalizers are
     /// released so deletions do not hang forever (the agent sweeps orphans on return).
     pub node_lost_grace: std::time::Duration,
+    /// After a node agent's lease has been dead this long, the undecided branches bound
+    /// to its node fail (`NodeLost`) and their BranchSets go on without them. Shorter
+    /// than `node_lost_grace`: a set waits on its branches, a deletion on nothing.
+    pub branch_node_lost_grace: std::time::Duration,
     /// Standalone: sandboxes are bound by the node agents' capacity. Cluster: every
     /// Sandbox gets a Pod ([`crate::pod`]) and is bound to the node kube-scheduler
     /// places it on.
@@ -171,6 +175,7 @@ impl Default for Settings {
         Self {
             system_namespace: "ramify-system".into(),
             node_lost_grace: std::time::Duration::from_secs(300),
+            branch_node_lost_grace: std::time::Duration::from_secs(60),
             mode: Mode::Standalone,
             pod_image: None,
         }
@@ -192,6 +197,8 @@ pub struct Context {
     pub settler: ramify_runtime::settle::Settler,
     /// Branches and snapshots created and not yet seen by the watch.
     pub expectations: crate::expectations::Expectations,
+    /// Cluster mode: warm pool Pods adopted and not yet seen so by the Pod watch.
+    pub adopted: crate::warm_pods::Adopted,
 }
 
 impl Context {
@@ -219,6 +226,7 @@ impl Context {
             settings,
             nodes: crate::nodes::NodeCache::default(),
             expectations: crate::expectations::Expectations::default(),
+            adopted: crate::warm_pods::Adopted::default(),
         }
     }
 

@@ -21,6 +21,7 @@ pub mod sandbox;
 pub mod self_fork;
 pub mod snapshot;
 pub mod ttl;
+pub mod warm_pods;
 pub mod writes;
 
 use std::sync::Arc;
@@ -37,7 +38,7 @@ use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
-use ramify_crds::pod::{LABEL_SANDBOX_UID, Mode};
+use ramify_crds::pod::{MANAGED_PODS, Mode};
 use ramify_crds::{BranchSet, FINALIZER_NODE_CLEANUP, Sandbox, Snapshot};
 use tracing::{info, warn};
 
@@ -218,24 +219,29 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         writers.snapshots,
     );
 
-    // Cluster mode: the Sandboxes' Pods (only those: by the label ramify gives them),
-    // cached for the binding and waking their Sandbox on every change (scheduled, an
-    // IP, deleted). Standalone mode watches no Pods (and needs no RBAC on them).
+    // Cluster mode: ramify's Pods (only those: by the label ramify gives them), the
+    // Sandboxes' and the warm pools', cached for the binding and waking their Sandbox
+    // (scheduled, an IP, deleted) or their Snapshot (its pool) on every change.
+    // Standalone mode watches no Pods (and needs no RBAC on them).
     let (pod_watch, pods_owned) = if ctx.settings.mode == Mode::Cluster {
-        let (drive, [owned]) = fan_out(
+        let (drive, [of_sandboxes, of_snapshots]) = fan_out(
             Api::<DeserializeGuard<Pod>>::all(client.clone()),
-            cfg.clone().labels(LABEL_SANDBOX_UID),
+            cfg.clone().labels(MANAGED_PODS),
             writers.pods,
         );
-        (futures::future::Either::Left(drive), Some(owned))
+        (
+            futures::future::Either::Left(drive),
+            Some((of_sandboxes, of_snapshots)),
+        )
     } else {
         (
             futures::future::Either::Right(futures::future::pending()),
             None,
         )
     };
+    let (pods_of_sandboxes, pods_of_snapshots) = pods_owned.unzip();
     let mut sandbox_ctl = Controller::for_stream(sbx_for_sandboxes, ctx.cache.sandboxes.clone());
-    if let Some(owned) = pods_owned {
+    if let Some(owned) = pods_of_sandboxes {
         sandbox_ctl = sandbox_ctl.owns_stream(owned);
     }
     let sandboxes = sandbox_ctl
@@ -248,7 +254,12 @@ pub async fn run_controllers(ctx: Arc<Context>) {
         .for_each(|_| futures::future::ready(()));
 
     let snap_store = ctx.cache.snapshots.clone();
-    let snapshots = Controller::for_stream(snap_for_snapshots, ctx.cache.snapshots.clone())
+    let mut snap_ctl = Controller::for_stream(snap_for_snapshots, ctx.cache.snapshots.clone());
+    // Cluster mode: its warm pool's Pods.
+    if let Some(owned) = pods_of_snapshots {
+        snap_ctl = snap_ctl.owns_stream(owned);
+    }
+    let snapshots = snap_ctl
         // A source sandbox getting its node lets its pending snapshots bind.
         .watches_stream(sbx_for_snapshots, move |sbx| {
             let ns = sbx.namespace();

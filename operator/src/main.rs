@@ -35,6 +35,14 @@ struct Args {
     /// Seconds a node agent may be gone before deletions stop waiting for it.
     #[arg(long, default_value_t = 300)]
     node_lost_grace_seconds: u64,
+    /// Seconds a node agent may be gone before the undecided branches on its node fail
+    /// (`NodeLost`) and their BranchSets go on with the other branches.
+    #[arg(
+        long,
+        env = "RAMIFY_BRANCH_NODE_LOST_GRACE_SECONDS",
+        default_value_t = 60
+    )]
+    branch_node_lost_grace_seconds: u64,
     /// Where sandboxes run: `standalone` (bound to node agents by their announced
     /// capacity) or `cluster` (every Sandbox backed by a Pod kube-scheduler places).
     #[arg(long, env = "RAMIFY_MODE", default_value = "standalone")]
@@ -86,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings {
         system_namespace: args.system_namespace.clone(),
         node_lost_grace: Duration::from_secs(args.node_lost_grace_seconds),
+        branch_node_lost_grace: Duration::from_secs(args.branch_node_lost_grace_seconds),
         mode: args.mode,
         pod_image,
     };

@@ -47,6 +47,10 @@ pub struct Metrics {
     /// Branches claimed from a warm pool, and those that needed a cold restore.
     pub warm_hits: Counter,
     pub warm_misses: Counter,
+    /// Cluster mode: warm pool Pods a branch adopted instead of getting a Pod of its own.
+    pub warm_pods_adopted: Counter,
+    /// Branches failed because their node agent stayed gone (`NodeLost`).
+    pub branches_node_lost: Counter,
     /// Objects by kind and phase, as last seen by the reconcilers.
     pub phases: Family<PhaseLabels, Gauge>,
     /// Last phase recorded per object, so `phases` counts each object once.
@@ -72,6 +76,8 @@ impl Metrics {
         let commit_conflicts = Counter::default();
         let warm_hits = Counter::default();
         let warm_misses = Counter::default();
+        let warm_pods_adopted = Counter::default();
+        let branches_node_lost = Counter::default();
         let phases = Family::<PhaseLabels, Gauge>::default();
         registry.register("reconcile_runs", "Reconciliations run", runs.clone());
         registry.register(
@@ -115,6 +121,16 @@ impl Metrics {
             warm_misses.clone(),
         );
         registry.register(
+            "warm_pool_pods_adopted",
+            "Warm pool Pods adopted by a branch (cluster mode)",
+            warm_pods_adopted.clone(),
+        );
+        registry.register(
+            "branches_node_lost",
+            "Undecided branches failed because their node agent stayed gone (NodeLost)",
+            branches_node_lost.clone(),
+        );
+        registry.register(
             "objects",
             "ramify objects by kind and phase",
             phases.clone(),
@@ -135,6 +151,8 @@ impl Metrics {
             commit_conflicts,
             warm_hits,
             warm_misses,
+            warm_pods_adopted,
+            branches_node_lost,
             phases,
             seen: Arc::default(),
         }

@@ -187,6 +187,7 @@ mod tests {
                 memory_bytes: 8 << 30,
             }),
             draining: None,
+            gone_for: (!live).then_some(std::time::Duration::from_secs(1)),
         }
     }
 

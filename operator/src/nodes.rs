@@ -35,6 +35,9 @@ pub struct NodeAgent {
     /// `ramify.dev/cordoned` while its Node is cordoned): nothing new is bound to it,
     /// and its suspended workspaces move off it.
     pub draining: Option<String>,
+    /// How long since its lease ran out (renewTime + leaseDurationSeconds); `None`
+    /// while live. A lease never renewed counts as gone since now.
+    pub gone_for: Option<Duration>,
 }
 
 impl NodeAgent {
@@ -84,9 +87,11 @@ pub async fn list(client: &Client, namespace: &str) -> Result<Vec<NodeAgent>> {
                         .or_else(|| a.get(ramify_crds::ANNOTATION_CORDONED))
                 })
                 .cloned();
+            let gone_for = gone_for(spec, now);
             Some(NodeAgent {
                 draining,
-                live: !expired(spec, now),
+                live: gone_for.is_none(),
+                gone_for,
                 node,
                 capacity,
                 allocatable,
@@ -122,15 +127,20 @@ impl NodeCache {
     }
 }
 
-/// Whether a node agent's lease has run out by this clock (renewTime + duration): a
-/// one-shot judgement of a lease read once, for scheduling; leader election judges its
-/// lease from observed changes instead (see `leader`).
-fn expired(spec: &k8s_openapi::api::coordination::v1::LeaseSpec, now: Timestamp) -> bool {
+/// How long a node agent's lease has been run out by this clock (renewTime +
+/// duration), `None` while it has not: a one-shot judgement of a lease read once, for
+/// scheduling; leader election judges its lease from observed changes instead (see
+/// `leader`). A lease never renewed is expired, for no time yet.
+fn gone_for(
+    spec: &k8s_openapi::api::coordination::v1::LeaseSpec,
+    now: Timestamp,
+) -> Option<Duration> {
     let Some(renew) = spec.renew_time.as_ref() else {
-        return true;
+        return Some(Duration::ZERO);
     };
     let secs = i64::from(spec.lease_duration_seconds.unwrap_or(15));
-    renew.0 + k8s_openapi::jiff::SignedDuration::from_secs(secs) < now
+    let expiry = renew.0 + k8s_openapi::jiff::SignedDuration::from_secs(secs);
+    (expiry < now).then(|| now.duration_since(expiry).try_into().unwrap_or_default())
 }
 
 /// Picks the live node with the most free capacity, given how many sandboxes are
@@ -157,6 +167,7 @@ mod tests {
             capacity,
             allocatable: None,
             draining: None,
+            gone_for: (!live).then_some(Duration::from_secs(1)),
         }
     }
 
@@ -169,6 +180,26 @@ mod tests {
         ];
         let bound = |n: &str| if n == "a" { 3 } else { 1 };
         assert_eq!(choose(&agents, &bound).as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn a_lease_is_gone_for_the_time_since_it_ran_out() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+        let now = Timestamp::from_second(1_700_000_100).unwrap_or(Timestamp::UNIX_EPOCH);
+        let spec = |renewed: i64| k8s_openapi::api::coordination::v1::LeaseSpec {
+            renew_time: Some(MicroTime(
+                Timestamp::from_second(1_700_000_000 + renewed).unwrap_or(Timestamp::UNIX_EPOCH),
+            )),
+            lease_duration_seconds: Some(15),
+            ..Default::default()
+        };
+        assert_eq!(gone_for(&spec(90), now), None, "renewed 10 s ago: live");
+        assert_eq!(gone_for(&spec(40), now), Some(Duration::from_secs(45)));
+        assert_eq!(
+            gone_for(&Default::default(), now),
+            Some(Duration::ZERO),
+            "never renewed: expired, for no time yet"
+        );
     }
 
     #[test]

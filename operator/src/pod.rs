@@ -11,16 +11,16 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::ResourceExt;
+use ramify_crds::capacity::Requests;
 use ramify_crds::pod::{
-    LABEL_SANDBOX, LABEL_SANDBOX_UID, POD_CONTAINER, POD_MOUNT, POD_RUN_AS_USER, POD_VOLUME,
-    pod_name,
+    ANNOTATION_POD_TEMPLATE, LABEL_MANAGED_BY, LABEL_SANDBOX, LABEL_SANDBOX_UID, LABEL_WARM_POOL,
+    MANAGED_BY_RAMIFY, POD_CONTAINER, POD_MOUNT, POD_RUN_AS_USER, POD_VOLUME, PodSettings,
+    pod_name, warm_pod_name,
 };
-use ramify_crds::{PodRef, Sandbox};
+use ramify_crds::{PodRef, Sandbox, Snapshot};
 
 use crate::error::{Error, Result};
 
-/// The label every object ramify manages carries.
-const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// A label value's longest.
 const LABEL_VALUE_MAX: usize = 63;
 /// The kubelet's grace between SIGTERM and SIGKILL: `ramify-pod` ends at once.
@@ -31,17 +31,111 @@ const TERMINATION_GRACE_SECONDS: i64 = 10;
 /// snapshot's node, a `spec.nodeName`), as a required node affinity in place of the
 /// node part of `spec.pod.affinity`.
 pub fn build(sbx: &Sandbox, image: &str, node: Option<&str>) -> Result<Pod> {
-    let name = sbx.name_any();
-    let owner = controller(sbx)?;
     let settings = sbx.spec.pod.clone().unwrap_or_default();
-    let labels = labels(sbx)?;
+    let meta = ObjectMeta {
+        name: Some(pod_name(&sbx.name_any())),
+        namespace: sbx.namespace(),
+        labels: Some(labels(sbx)?),
+        annotations: (!settings.annotations.is_empty()).then(|| settings.annotations.clone()),
+        owner_references: Some(vec![controller(sbx)?]),
+        ..Default::default()
+    };
+    Ok(assemble(meta, settings, sbx.spec.requests(), image, node))
+}
 
+/// The `n`th warm pool Pod of `snap` (on `node`, its node): the Pod a branch of its
+/// source `source` would get, owned by the Snapshot, labelled only as ramify's and as
+/// the pool's (a Service selecting the source never reaches it), annotated with the
+/// [`template`] it was built with.
+pub fn build_pool(
+    snap: &Snapshot,
+    source: &Sandbox,
+    image: &str,
+    node: &str,
+    n: u32,
+) -> Result<Pod> {
+    let name = snap.name_any();
+    let uid = snap
+        .uid()
+        .ok_or_else(|| Error::Invalid(format!("snapshot {name} has no uid")))?;
+    let settings = source.spec.pod.clone().unwrap_or_default().for_branch();
+    let requests = source.spec.requests();
+    let meta = ObjectMeta {
+        name: Some(warm_pod_name(&name, n)),
+        namespace: snap.namespace(),
+        labels: Some(
+            [
+                (LABEL_MANAGED_BY.to_string(), MANAGED_BY_RAMIFY.to_string()),
+                (LABEL_WARM_POOL.to_string(), uid.clone()),
+            ]
+            .into(),
+        ),
+        annotations: Some(
+            [(
+                ANNOTATION_POD_TEMPLATE.to_string(),
+                template(&requests, &settings),
+            )]
+            .into(),
+        ),
+        owner_references: Some(vec![OwnerReference {
+            api_version: ramify_crds::API_VERSION.into(),
+            kind: "Snapshot".into(),
+            name,
+            uid,
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }]),
+        ..Default::default()
+    };
+    Ok(assemble(meta, settings, requests, image, Some(node)))
+}
+
+/// A hash of what a Pod is built with besides its name, labels and owner: its requests
+/// and its scheduling settings. A branch adopts a warm pool Pod only when its own
+/// would hash the same (a pool Pod of another size would break its accounting).
+pub fn template(requests: &Requests, settings: &PodSettings) -> String {
+    use sha2::{Digest, Sha256};
+    let v = serde_json::json!({
+        "cpuMillis": requests.cpu_millis,
+        "memoryBytes": requests.memory_bytes,
+        "settings": settings,
+    });
+    let digest = Sha256::digest(v.to_string().as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The [`template`] of `sbx`'s own Pod.
+pub fn template_of(sbx: &Sandbox) -> String {
+    template(
+        &sbx.spec.requests(),
+        &sbx.spec.pod.clone().unwrap_or_default(),
+    )
+}
+
+/// Whether `pod` is (still) in the warm pool of the Snapshot with `snap_uid`: labelled
+/// so and controlled by it. An adopted Pod is neither.
+pub fn in_pool_of(pod: &Pod, snap_uid: &str) -> bool {
+    pod.labels().get(LABEL_WARM_POOL).map(String::as_str) == Some(snap_uid)
+        && pod
+            .owner_references()
+            .iter()
+            .any(|o| o.controller == Some(true) && o.kind == "Snapshot" && o.uid == snap_uid)
+}
+
+/// The Pod with `meta`: `settings` placing it, `requests` as its container's requests
+/// and limits, pinned to `node` when given.
+fn assemble(
+    meta: ObjectMeta,
+    settings: PodSettings,
+    requests: Requests,
+    image: &str,
+    node: Option<&str>,
+) -> Pod {
     let mut affinity = settings.affinity;
     if let Some(node) = node {
         affinity.get_or_insert_with(Affinity::default).node_affinity = Some(on_node(node));
     }
 
-    let requests = sbx.spec.requests();
     let mut memory = requests.memory_bytes.to_string();
     if requests.memory_bytes.is_multiple_of(1 << 20) {
         memory = format!("{}Mi", requests.memory_bytes >> 20);
@@ -81,15 +175,8 @@ pub fn build(sbx: &Sandbox, image: &str, node: Option<&str>) -> Result<Pod> {
         ..Default::default()
     };
 
-    Ok(Pod {
-        metadata: ObjectMeta {
-            name: Some(pod_name(&name)),
-            namespace: sbx.namespace(),
-            labels: Some(labels),
-            annotations: (!settings.annotations.is_empty()).then_some(settings.annotations),
-            owner_references: Some(vec![owner]),
-            ..Default::default()
-        },
+    Pod {
+        metadata: meta,
         spec: Some(PodSpec {
             containers: vec![container],
             restart_policy: Some("Never".into()),
@@ -121,7 +208,7 @@ pub fn build(sbx: &Sandbox, image: &str, node: Option<&str>) -> Result<Pod> {
             ..Default::default()
         }),
         status: None,
-    })
+    }
 }
 
 /// The labels of `sbx`'s Pod: `spec.pod.labels`, then ramify's own (which win over
@@ -138,7 +225,7 @@ pub fn labels(sbx: &Sandbox) -> Result<BTreeMap<String, String>> {
     } else {
         labels.remove(LABEL_SANDBOX);
     }
-    labels.insert(LABEL_MANAGED_BY.into(), "ramify".into());
+    labels.insert(LABEL_MANAGED_BY.into(), MANAGED_BY_RAMIFY.into());
     Ok(labels)
 }
 
@@ -373,6 +460,57 @@ mod tests {
                 ["nodeSelectorTerms"][0]["matchFields"][0]["values"],
             json!(["n"])
         );
+    }
+
+    #[test]
+    fn a_warm_pool_pod_is_a_branchs_pod_owned_by_the_snapshot() {
+        let source = sandbox(json!({"resources": {"cpu": "500m", "memory": "512Mi"},
+            "pod": {"labels": {"app": "web"}, "priorityClassName": "batch",
+                    "nodeSelector": {"pool": "a"}}}));
+        let snap: Snapshot = serde_json::from_value(json!({
+            "apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot",
+            "metadata": {"name": "snap", "namespace": "team", "uid": "snap-uid"},
+            "spec": {"source": {"sandbox": "s"}},
+        }))
+        .unwrap();
+        let pod = build_pool(&snap, &source, "i", "node-1", 2).unwrap();
+        let p = wire(&pod);
+        assert_eq!(p["metadata"]["name"], "snap-warm-2");
+        assert_eq!(p["metadata"]["namespace"], "team");
+        // Only ramify's labels: a Service selecting the source never reaches it.
+        assert_eq!(
+            p["metadata"]["labels"],
+            json!({"app.kubernetes.io/managed-by": "ramify", "ramify.dev/warm-pool": "snap-uid"})
+        );
+        assert_eq!(p["metadata"]["ownerReferences"][0]["kind"], "Snapshot");
+        assert_eq!(p["metadata"]["ownerReferences"][0]["uid"], "snap-uid");
+        assert_eq!(p["spec"]["priorityClassName"], "batch");
+        assert!(p["spec"].get("nodeSelector").is_none());
+        assert_eq!(
+            p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                ["nodeSelectorTerms"][0]["matchFields"][0]["values"],
+            json!(["node-1"])
+        );
+        assert!(in_pool_of(&pod, "snap-uid"));
+        assert!(!in_pool_of(&pod, "other"));
+        // A branch of the source hashes as the pool Pod was built; another size not.
+        let mut branch = source.clone();
+        branch.spec.pod = source.spec.pod.as_ref().map(PodSettings::for_branch);
+        let hash = &p["metadata"]["annotations"]["ramify.dev/pod-template"];
+        assert_eq!(hash, &json!(template_of(&branch)));
+        let mut bigger = branch.clone();
+        bigger.spec.resources =
+            serde_json::from_value(json!({"cpu": "1", "memory": "512Mi"})).unwrap();
+        assert_ne!(hash, &json!(template_of(&bigger)));
+        // Adopted (relabelled, re-owned): no longer the pool's.
+        let mut adopted = pod.clone();
+        adopted
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .remove(LABEL_WARM_POOL);
+        assert!(!in_pool_of(&adopted, "snap-uid"));
     }
 
     #[test]

@@ -367,7 +367,16 @@ async fn bind_to_pod(
     let name = ramify_crds::pod::pod_name(&sbx.name_any());
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     ctx.cache.pods_synced().await?;
-    let pod = match ctx.cache.pod(&ns, &name) {
+    // Its own Pod; else one it adopted earlier; else a warm pool Pod to adopt; else a
+    // new one.
+    let found = match ctx.cache.pod(&ns, &name) {
+        Some(pod) => Some(pod),
+        None => match crate::warm_pods::adopted_before(sbx, ctx) {
+            Some(pod) => Some(pod),
+            None => crate::warm_pods::adopt(sbx, ctx, pinned.as_deref()).await?,
+        },
+    };
+    let pod = match found {
         Some(pod) => pod,
         None => {
             let image = ctx.settings.pod_image.as_deref().ok_or_else(|| {

@@ -80,6 +80,8 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     );
 
     if status.phase == SnapshotPhase::Ready {
+        // Cluster mode: its warm pool's Pods.
+        let pool = crate::warm_pods::keep(snap, ctx).await?;
         if let (Some(ttl), Some(at)) = (snap.spec.ttl_seconds, status.captured_at.as_ref()) {
             let expires = at.0 + SignedDuration::from_secs(ttl);
             let now = Timestamp::now();
@@ -95,9 +97,10 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
                 return Ok(Action::await_change());
             }
             let wait: Duration = expires.duration_since(now).try_into().unwrap_or_default();
-            return Ok(Action::requeue(wait + Duration::from_millis(100)));
+            let wait = wait + Duration::from_millis(100);
+            return Ok(Action::requeue(pool.map_or(wait, |p| p.min(wait))));
         }
-        return Ok(Action::await_change());
+        return Ok(pool.map_or_else(Action::await_change, Action::requeue));
     }
     if status.node_name.is_some() {
         return Ok(Action::await_change());

@@ -17,7 +17,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use ramify_crds::pod::{
-    LABEL_SANDBOX_UID, POD_CONTAINER, REASON_POD_DELETED, REASON_POD_EVICTED,
+    LABEL_WARM_POOL, MANAGED_PODS, POD_CONTAINER, REASON_POD_DELETED, REASON_POD_EVICTED,
     REASON_WAITING_FOR_POD, pod_name,
 };
 use ramify_crds::{Sandbox as SandboxObj, SandboxPhase};
@@ -31,12 +31,70 @@ use crate::error::Result;
 /// Pod event (a safety net: Pod events wake it at once).
 const POD_RECHECK: Duration = Duration::from_secs(30);
 
-/// The Pods this agent watches: on its node, backing a Sandbox.
+/// The Pods this agent watches: ramify's on its node (backing a Sandbox, or kept in a
+/// Snapshot's warm pool).
 pub fn watch_config(node: &str) -> watcher::Config {
     watcher::Config::default()
         .fields(&format!("spec.nodeName={node}"))
-        .labels(LABEL_SANDBOX_UID)
+        .labels(MANAGED_PODS)
         .any_semantic()
+}
+
+/// A quiet wait (no status write) for the Pod watch to see a warm pool Pod adopted.
+const ADOPTION_SEEN: Duration = Duration::from_millis(250);
+
+/// Cluster mode: the Pods of one Snapshot's warm pool on this node, read from the Pod
+/// watch's store.
+pub struct PoolPods {
+    pub store: kube::runtime::reflector::Store<Pod>,
+    pub snapshot_uid: String,
+    /// The Snapshot's namespace: a Pod elsewhere is never filled, whatever it claims
+    /// (labels and owner references are anyone's to write in their own namespace).
+    pub namespace: String,
+    pub node: String,
+}
+
+impl PoolPods {
+    /// Whether `pod` is a pool Pod of this snapshot on this node, ready for a branch.
+    fn fillable(&self, pod: &Pod) -> bool {
+        let controlled = pod.metadata.owner_references.as_ref().is_some_and(|o| {
+            o.iter().any(|o| {
+                o.controller == Some(true) && o.kind == "Snapshot" && o.uid == self.snapshot_uid
+            })
+        });
+        pod.namespace().as_deref() == Some(self.namespace.as_str())
+            && pod.labels().get(LABEL_WARM_POOL) == Some(&self.snapshot_uid)
+            && controlled
+            && pod.metadata.deletion_timestamp.is_none()
+            && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.node.as_str())
+            && container_state(pod).is_ok()
+            && pod.uid().is_some_and(|u| !u.is_empty())
+    }
+}
+
+impl crate::engine::PodSupply for PoolPods {
+    fn in_pool(&self) -> Vec<crate::engine::PoolPod> {
+        let mut pods: Vec<_> = self
+            .store
+            .state()
+            .iter()
+            .filter(|p| self.fillable(p))
+            .map(|p| crate::engine::PoolPod {
+                uid: p.uid().unwrap_or_default(),
+                name: p.name_any(),
+            })
+            .collect();
+        pods.sort_by(|a, b| a.name.cmp(&b.name));
+        pods
+    }
+
+    fn lives(&self, uid: &str) -> bool {
+        self.store.state().iter().any(|p| {
+            p.uid().as_deref() == Some(uid)
+                && p.metadata.deletion_timestamp.is_none()
+                && p.namespace().as_deref() == Some(self.namespace.as_str())
+        })
+    }
 }
 
 /// The UID of the Sandbox controlling `pod`, if one does.
@@ -209,9 +267,17 @@ impl Agent {
         matches!(store.wait_until_ready().now_or_never(), Some(Ok(()))).then_some(store)
     }
 
+    /// Its Pod's key and name: the one its binding names (a warm pool Pod it
+    /// adopted), else its own.
     fn pod_key(obj: &SandboxObj) -> (String, String) {
         let ns = obj.namespace().unwrap_or_default();
-        let name = pod_name(&obj.name_any());
+        let name = obj
+            .status
+            .as_ref()
+            .and_then(|s| s.pod.as_ref())
+            .map(|p| p.name.clone())
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| pod_name(&obj.name_any()));
         (format!("{ns}/{name}"), name)
     }
 
@@ -227,6 +293,13 @@ impl Agent {
         };
         let (key, name) = Self::pod_key(obj);
         let pod = store.get(&ObjectRef::new(&name).within(&obj.namespace().unwrap_or_default()));
+        // Bound to a warm pool Pod it adopted, which the watch still shows in its pool.
+        if pod
+            .as_ref()
+            .is_some_and(|p| p.labels().contains_key(LABEL_WARM_POOL))
+        {
+            return Err(Action::requeue(ADOPTION_SEEN));
+        }
         match ready_to_start(pod.as_deref(), uid, &key, &self.cfg.node) {
             Ok(pod_uid) => Ok(pod_uid),
             Err(message) => {
@@ -404,6 +477,67 @@ mod tests {
             }
             (a, b) => *a = b,
         }
+    }
+
+    /// A tenant can label a Pod of its own namespace as another tenant's pool Pod and
+    /// name that Snapshot as its owner (the API server does not check owner references
+    /// across namespaces): filling it would restore the other tenant's memory into it.
+    #[test]
+    fn only_the_snapshots_own_pool_pods_on_this_node_are_filled() {
+        use crate::engine::PodSupply;
+        let pool_pod = |name: &str, uid: &str, extra: serde_json::Value| {
+            let mut p = pod(json!({"metadata": {"name": name, "uid": uid,
+                "labels": {LABEL_WARM_POOL: "snap-uid"},
+                "ownerReferences": [{"apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot",
+                    "name": "snap", "uid": "snap-uid", "controller": true}]}}));
+            let mut v = serde_json::to_value(&p).unwrap();
+            merge(&mut v, extra);
+            p = serde_json::from_value(v).unwrap();
+            p
+        };
+        let (store, mut writer) = kube::runtime::reflector::store::<Pod>();
+        for p in [
+            pool_pod("ok", "u-ok", json!({})),
+            pool_pod(
+                "forged",
+                "u-forged",
+                json!({"metadata": {"namespace": "tenant-b"}}),
+            ),
+            pool_pod("elsewhere", "u-else", json!({"spec": {"nodeName": "n2"}})),
+            pool_pod(
+                "other-snap",
+                "u-other",
+                json!({"metadata": {"labels": {LABEL_WARM_POOL: "x"}}}),
+            ),
+            pool_pod(
+                "going",
+                "u-going",
+                json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}),
+            ),
+            pool_pod(
+                "starting",
+                "u-starting",
+                json!({"status": {"containerStatuses": [{"name": POD_CONTAINER,
+                "ready": false, "restartCount": 0, "image": "i", "imageID": "",
+                "state": {"waiting": {"reason": "ContainerCreating"}}}]}}),
+            ),
+            // Adopted: a branch's now (label gone, owner the branch's Sandbox).
+            pod(json!({"metadata": {"name": "adopted", "uid": "u-adopted"}})),
+        ] {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(p));
+        }
+        let supply = PoolPods {
+            store,
+            snapshot_uid: "snap-uid".into(),
+            namespace: "ns".into(),
+            node: NODE.into(),
+        };
+        let names: Vec<String> = supply.in_pool().into_iter().map(|p| p.name).collect();
+        assert_eq!(names, ["ok"]);
+        // An adopted Pod lives on (its branch waits in it for its claim); a Pod being
+        // deleted, or another namespace's, does not.
+        assert!(supply.lives("u-ok") && supply.lives("u-adopted"));
+        assert!(!supply.lives("u-going") && !supply.lives("u-forged") && !supply.lives("nope"));
     }
 
     #[test]

@@ -25,6 +25,17 @@ pub trait Pool: Send + Sync + 'static {
         index: u32,
         timeout: Duration,
     ) -> impl Future<Output = Result<Self::Claimed>> + Send;
+    /// Cluster mode: the branch living in the Pod `pod_uid`, or `None` when the pool
+    /// holds none there (nor restores one).
+    fn claim_in(
+        &self,
+        pod_uid: &str,
+        name: &str,
+        index: u32,
+        timeout: Duration,
+    ) -> impl Future<Output = Option<Result<Self::Claimed>>> + Send;
+    /// Cluster mode: the Pods holding a ready branch.
+    fn ready_pods(&self) -> Vec<String>;
     fn close(&self) -> impl Future<Output = Result<()>> + Send;
 }
 
@@ -43,6 +54,21 @@ impl Pool for WarmPool {
         timeout: Duration,
     ) -> impl Future<Output = Result<LocalSandbox>> + Send {
         WarmPool::claim_as(self, name, index, timeout)
+    }
+    async fn claim_in(
+        &self,
+        pod_uid: &str,
+        name: &str,
+        index: u32,
+        timeout: Duration,
+    ) -> Option<Result<LocalSandbox>> {
+        if !self.holds_in(pod_uid) {
+            return None;
+        }
+        Some(WarmPool::claim_in(self, pod_uid, name, index, timeout).await)
+    }
+    fn ready_pods(&self) -> Vec<String> {
+        WarmPool::ready_pods(self)
     }
     fn close(&self) -> impl Future<Output = Result<()>> + Send {
         WarmPool::close(self)
@@ -78,6 +104,30 @@ impl<P: Pool> Pools<P> {
     ) -> Option<Result<P::Claimed>> {
         let pool = self.get(uid).filter(|p| p.ready() > 0)?;
         Some(pool.claim_as(name, index, timeout).await)
+    }
+
+    /// Cluster mode: the branch of the pool of `uid` living in the Pod `pod_uid`;
+    /// `None` when there is none there (the caller restores cold in that Pod).
+    pub async fn claim_in(
+        &self,
+        uid: &str,
+        pod_uid: &str,
+        name: &str,
+        index: u32,
+        timeout: Duration,
+    ) -> Option<Result<P::Claimed>> {
+        let pool = self.get(uid)?;
+        pool.claim_in(pod_uid, name, index, timeout).await
+    }
+
+    /// Cluster mode: the Pods of the pool of `uid` holding a ready branch.
+    pub fn ready_pods(&self, uid: &str) -> Vec<String> {
+        self.get(uid).map(|p| p.ready_pods()).unwrap_or_default()
+    }
+
+    /// Whether `uid` has a pool.
+    pub fn has(&self, uid: &str) -> bool {
+        self.get(uid).is_some()
     }
 
     /// Branches ready in the pool of `uid` (0 without one).
@@ -131,6 +181,18 @@ mod tests {
             tokio::time::sleep(self.claim).await;
             Ok(name.to_string())
         }
+        async fn claim_in(
+            &self,
+            pod_uid: &str,
+            name: &str,
+            _: u32,
+            _: Duration,
+        ) -> Option<Result<String>> {
+            (pod_uid == "pod-a").then(|| Ok(format!("{name} in {pod_uid}")))
+        }
+        fn ready_pods(&self) -> Vec<String> {
+            vec!["pod-a".into()]
+        }
         async fn close(&self) -> Result<()> {
             tokio::time::sleep(self.close).await;
             Ok(())
@@ -149,6 +211,28 @@ mod tests {
             );
         }
         p
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_in_a_pod_goes_to_that_pods_branch_or_nowhere() {
+        let p = pools();
+        let got = p
+            .claim_in("a", "pod-a", "x", 0, Duration::from_secs(5))
+            .await;
+        assert_eq!(got.unwrap().unwrap(), "x in pod-a");
+        // Nothing in that Pod, or no such pool: the caller restores cold.
+        assert!(
+            p.claim_in("a", "pod-b", "x", 0, Duration::from_secs(5))
+                .await
+                .is_none()
+        );
+        assert!(
+            p.claim_in("c", "pod-a", "x", 0, Duration::from_secs(5))
+                .await
+                .is_none()
+        );
+        assert_eq!(p.ready_pods("a"), vec!["pod-a".to_string()]);
+        assert!(p.ready_pods("c").is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -10,12 +10,13 @@ use kube::api::Api;
 use kube::runtime::controller::Action;
 use ramify_crds::capacity::CONDITION_READY;
 use ramify_crds::{
-    CONDITION_SUSPENDED, Condition, ConditionStatus, ConditionsExt, Sandbox as SandboxObj,
-    SandboxPhase, VerdictValue,
+    CONDITION_SUSPENDED, Condition, ConditionStatus, ConditionsExt, REASON_NODE_LOST,
+    Sandbox as SandboxObj, SandboxPhase, VerdictValue,
 };
 use serde_json::json;
 use tracing::{info, instrument};
 
+use super::pods::PodGone;
 use super::{Agent, Handle, now, writes};
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
@@ -310,6 +311,10 @@ impl Agent {
         uid: &str,
         h: Handle,
     ) -> Result<Action> {
+        // Failed while this agent was away: destroyed, never reported running again.
+        if let Some(why) = lost_while_away(obj) {
+            return self.end_for_pod(obj, uid, h, why).await;
+        }
         // Cluster mode: nothing of it outlives its Pod (whose cgroup and netns it uses).
         if let Some(why) = self.pod_gone(obj, uid) {
             return self.end_for_pod(obj, uid, h, why).await;
@@ -409,5 +414,55 @@ impl Agent {
             }
         }
         Ok(Action::requeue(Duration::from_secs(10)))
+    }
+}
+
+/// A sandbox the operator failed while this agent was away (`Ready` reason
+/// [`REASON_NODE_LOST`]: the agent stayed gone past the grace before the branch's
+/// verdict, and its BranchSet went on without it): why the copy held here must end.
+/// It is destroyed without a word (the object already says why), never resurrected.
+fn lost_while_away(obj: &SandboxObj) -> Option<PodGone> {
+    let st = obj.status.as_ref()?;
+    let ready = st.conditions.get_condition(CONDITION_READY)?;
+    (st.phase == SandboxPhase::Failed && ready.reason == REASON_NODE_LOST).then(|| PodGone {
+        reason: REASON_NODE_LOST,
+        message: ready.message.clone(),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_sandbox_failed_for_its_lost_node_ends_as_lost_while_away() {
+        let mut obj: SandboxObj = serde_json::from_value(json!({
+            "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
+            "metadata": {"name": "bs-b1", "namespace": "ns"},
+            "spec": {"command": ["sh"]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True", "reason": "Running", "message": "running"}]},
+        }))
+        .unwrap();
+        assert!(lost_while_away(&obj).is_none(), "running: reported as ever");
+        let st = obj.status.as_mut().unwrap();
+        st.phase = SandboxPhase::Failed;
+        assert!(lost_while_away(&obj).is_none(), "failed for another reason");
+        let st = obj.status.as_mut().unwrap();
+        st.conditions.set_condition(
+            Condition::new(
+                "Ready",
+                ConditionStatus::False,
+                REASON_NODE_LOST,
+                "node n1 gone for 4s",
+                None,
+            ),
+            now(),
+        );
+        let why = lost_while_away(&obj).unwrap();
+        assert_eq!(
+            (why.reason, why.message.as_str()),
+            (REASON_NODE_LOST, "node n1 gone for 4s")
+        );
     }
 }

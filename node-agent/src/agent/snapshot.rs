@@ -20,9 +20,6 @@ use super::registry::SnapshotRecord;
 use super::{Agent, admission, error_category, millis, now, short_version, writes};
 use crate::error::Result;
 
-/// Event reason: a Snapshot asks for a warm pool the node cannot build (cluster mode).
-const REASON_WARM_POOL_UNAVAILABLE: &str = "WarmPoolUnavailable";
-
 impl Agent {
     #[instrument(skip_all, fields(snapshot = %snap.name_any()))]
     pub(super) async fn reconcile_snapshot(&self, snap: &SnapshotObj) -> Result<Action> {
@@ -189,8 +186,8 @@ impl Agent {
             .as_ref()
             .map(|w| usize::try_from(w.size).unwrap_or(0))
             .unwrap_or(0);
-        if want > 0 && self.cfg.mode == ramify_crds::pod::Mode::Cluster {
-            return self.refuse_pool(snap).await;
+        if self.cfg.mode == ramify_crds::pod::Mode::Cluster {
+            return self.keep_pool_in_pods(snap, uid, rec, want).await;
         }
         let reservation = admission::pool_key(uid);
         let have = self.pools.size(uid);
@@ -241,7 +238,7 @@ impl Agent {
             .map(|w| w.ready);
         let ready_i32 = i32::try_from(ready).unwrap_or(i32::MAX);
         if want > 0 && reported != Some(ready_i32) {
-            self.write_warm_ready(snap, ready_i32).await?;
+            self.write_warm(snap, ready_i32, &[]).await?;
         }
         // Claims drain the pool between reconciles: look again soon (a local check; the
         // status is written only when the count changed), so `warm.ready` stays true.
@@ -252,39 +249,72 @@ impl Agent {
         })
     }
 
-    /// `status.warm.ready` (the warm pool manager's whole part of the status).
-    async fn write_warm_ready(&self, snap: &SnapshotObj, ready: i32) -> Result<()> {
+    /// `status.warm.ready` and, in cluster mode, `status.warm.pods` (the warm pool
+    /// manager's whole part of the status).
+    async fn write_warm(&self, snap: &SnapshotObj, ready: i32, pods: &[String]) -> Result<()> {
         let api: Api<SnapshotObj> =
             Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default());
+        let mut warm = json!({"ready": ready});
+        if !pods.is_empty() {
+            warm["pods"] = json!(pods);
+        }
         writes::status(
             &api,
             &snap.name_any(),
             ramify_crds::MANAGER_AGENT_WARM_POOL,
             None,
-            &json!({"warm": {"ready": ready}}),
+            &json!({ "warm": warm }),
         )
         .await?;
         Ok(())
     }
 
-    /// Cluster mode: a warm pool's branches would have no Pod to live in (their Pods
-    /// are created only when a branch is claimed), so none is built. Said once, on the
-    /// Snapshot (`status.warm.ready` 0, and a Warning Event), never silently.
-    async fn refuse_pool(&self, snap: &SnapshotObj) -> Result<Action> {
-        let reported = snap.status.as_ref().and_then(|s| s.warm.as_ref());
-        if reported.is_some_and(|w| w.ready == 0) {
+    /// Cluster mode: the pool's branches live one in each of its Pods, which the
+    /// operator creates (and the scheduler admits: no room is reserved here). The pool
+    /// fills the Pods on this node as they come and drops a branch whose Pod goes;
+    /// `status.warm.pods` names those holding a ready branch, for branches to adopt.
+    async fn keep_pool_in_pods(
+        &self,
+        snap: &SnapshotObj,
+        uid: &str,
+        rec: &SnapshotRecord,
+        want: usize,
+    ) -> Result<Action> {
+        let Some(store) = self.cache.get().and_then(|c| c.pods.clone()) else {
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        };
+        if want == 0 && !self.pools.has(uid) {
             return Ok(Action::await_change());
         }
-        self.write_warm_ready(snap, 0).await?;
-        self.metrics.failed("snapshot", "warm_pool_unavailable");
-        self.event(
-            snap,
-            true,
-            REASON_WARM_POOL_UNAVAILABLE,
-            "warm pools are not available in cluster mode yet: spec.warmPool is ignored, and every branch restores cold in its own Pod".into(),
-        )
-        .await;
-        Ok(Action::await_change())
+        if !self.pools.has(uid) {
+            self.ensure_snapshot_image(&[], snap).await?;
+            self.ensure_local_image(snap, rec).await?;
+            let ns = snap.namespace().unwrap_or_default();
+            let supply = super::pods::PoolPods {
+                store,
+                snapshot_uid: uid.to_string(),
+                namespace: ns.clone(),
+                node: self.cfg.node.clone(),
+            };
+            let pool = self.engine.warm_pool_in_pods(
+                &rec.image_id,
+                std::sync::Arc::new(supply),
+                self.admission.restores.clone(),
+                format!("pool/{ns}/{}", snap.name_any()),
+            );
+            if let Err(e) = self.pools.replace(uid, Some(pool)).await {
+                self.cleanup_failed(snap, "close warm pool", &e);
+            }
+        }
+        let pods = self.pools.ready_pods(uid);
+        let ready = i32::try_from(pods.len()).unwrap_or(i32::MAX);
+        let reported = snap.status.as_ref().and_then(|s| s.warm.as_ref());
+        if reported.is_none_or(|w| w.ready != ready || w.pods != pods) {
+            self.write_warm(snap, ready, &pods).await?;
+        }
+        // Pods come, go and are adopted between reconciles: look again soon (a local
+        // check; the status is written only when it changed).
+        Ok(Action::requeue(Duration::from_millis(250)))
     }
 
     async fn write_snapshot_phase(&self, snap: &SnapshotObj, phase: SnapshotPhase) -> Result<()> {

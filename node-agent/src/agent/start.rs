@@ -70,6 +70,10 @@ pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Cidr>> {
     }
 }
 
+/// Cluster mode: how long a branch waits for the frozen branch being restored in the
+/// warm pool Pod it adopted.
+const POD_CLAIM_TIMEOUT: Duration = Duration::from_secs(60);
+
 impl Agent {
     pub(super) async fn start_sandbox(
         self: &Arc<Self>,
@@ -339,19 +343,34 @@ impl Agent {
             .unwrap_or_else(|| (obj.name_any(), 0));
 
         let t0 = Instant::now();
-        // A warm branch has no baseline manifest, so Paths commits restore cold; and
-        // none is in a Pod (cluster mode builds no pools).
-        let warm = if track.is_empty() && pod_uid.is_none() && !fetched {
-            self.pools
-                .claim(
-                    &snap.uid().unwrap_or_default(),
-                    &name,
-                    index,
-                    Duration::from_secs(5),
-                )
-                .await
-        } else {
-            None
+        // A warm branch has no baseline manifest, so Paths commits restore cold.
+        let snap_uid = snap.uid().unwrap_or_default();
+        let warm = match pod_uid {
+            _ if fetched => None,
+            // Cluster mode: the branch living in the warm pool Pod this Sandbox
+            // adopted (waiting while it is restored there).
+            Some(pod_uid) => {
+                let claimed = self
+                    .pools
+                    .claim_in(&snap_uid, pod_uid, &name, index, POD_CLAIM_TIMEOUT)
+                    .await;
+                match claimed {
+                    // Its Pod's netns and cgroup are the cold restore's: it goes first.
+                    Some(Ok(sb)) if !track.is_empty() => {
+                        self.engine
+                            .destroy_or_report(sb, "a Paths branch restores cold in its Pod")
+                            .await;
+                        None
+                    }
+                    other => other,
+                }
+            }
+            None if track.is_empty() => {
+                self.pools
+                    .claim(&snap_uid, &name, index, Duration::from_secs(5))
+                    .await
+            }
+            None => None,
         };
         let (sb, was_warm) = match warm {
             Some(Ok(sb)) => {

@@ -33,7 +33,7 @@ pub use recovery::{Recovered, Unreadable};
 pub use sandbox::{LocalSandbox, StartRequest};
 pub use snapshot::SnapshotInfo;
 pub use suspend::Suspension;
-pub use warm_pool::WarmPool;
+pub use warm_pool::{PodSupply, PoolPod, WarmPool};
 
 use std::collections::HashMap;
 use std::path::PathBuf;

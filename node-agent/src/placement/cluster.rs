@@ -101,6 +101,28 @@ fn ip_in(ns: &std::path::Path, args: &[&str]) -> Cmd {
         .args(args.iter().copied())
 }
 
+/// In a Pod's volume: its eth0 address as the agent first found it. A Pod may hold
+/// several sandboxes one after another (a warm pool's branch, then a cold restore), and
+/// runsc moves the address into its netstack: the memo survives an agent crash.
+const ADDRESS_MEMO: &str = ".address.json";
+
+/// Writes `addr` to `memo` (atomically) unless it holds one already.
+fn remember_address(memo: &std::path::Path, addr: &Address) -> Result<()> {
+    if memo.exists() {
+        return Ok(());
+    }
+    let body = serde_json::to_vec(addr)
+        .map_err(|e| Error::Pod(format!("cannot encode the Pod's address: {e}")))?;
+    let tmp = memo.with_extension("json.tmp");
+    std::fs::write(&tmp, body).map_err(|e| Error::io("write", &tmp, e))?;
+    std::fs::rename(&tmp, memo).map_err(|e| Error::io("rename", memo, e))
+}
+
+/// The address `memo` holds, if it holds a readable one.
+fn recall_address(memo: &std::path::Path) -> Option<Address> {
+    serde_json::from_slice(&std::fs::read(memo).ok()?).ok()
+}
+
 impl Cluster {
     pub fn new(cfg: ClusterConfig) -> Self {
         Cluster { cfg }
@@ -178,7 +200,25 @@ impl Cluster {
             .await?;
         let ns = netns_path(&req.id);
         placed.netns = Some(ns.clone());
-        let addr = Self::read_address(&ns).await?;
+        let memo = placed.pod.as_ref().map(|p| p.volume.join(ADDRESS_MEMO));
+        let addr = match (Self::read_address(&ns).await, &memo) {
+            (Ok(addr), Some(memo)) => {
+                remember_address(memo, &addr)?;
+                addr
+            }
+            (Ok(addr), None) => addr,
+            // Taken by a sandbox that ran here and was not released (an agent killed
+            // before it could: its orphan was swept): the Pod's address as first found.
+            (Err(e), Some(memo)) => {
+                let Some(known) = recall_address(memo) else {
+                    return Err(e);
+                };
+                placed.address = Some(known);
+                super::put_back_address(placed).await?;
+                Self::read_address(&ns).await?
+            }
+            (Err(e), None) => return Err(e),
+        };
         placed.address = Some(addr.clone());
         placed.chain =
             Some(egress::install(&req.id, addr.ip, &req.egress_allow, &HostGuard::Source).await?);
@@ -267,6 +307,27 @@ mod tests {
             None
         );
         assert!(parse_gateway_json(br#"[{"gateway":"x"}]"#).is_err());
+    }
+
+    #[test]
+    fn the_pods_address_is_kept_as_first_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let memo = dir.path().join(ADDRESS_MEMO);
+        assert_eq!(recall_address(&memo), None);
+        let first = Address {
+            ip: Ipv4Addr::new(10, 91, 0, 7),
+            prefix: 16,
+            gateway: Some(Ipv4Addr::new(10, 91, 0, 1)),
+        };
+        remember_address(&memo, &first).unwrap();
+        let later = Address {
+            ip: Ipv4Addr::new(10, 91, 0, 8),
+            ..first.clone()
+        };
+        remember_address(&memo, &later).unwrap();
+        assert_eq!(recall_address(&memo), Some(first));
+        std::fs::write(&memo, b"garbage").unwrap();
+        assert_eq!(recall_address(&memo), None);
     }
 
     #[tokio::test]

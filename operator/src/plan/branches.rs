@@ -1,14 +1,15 @@
 //! Observe the branches: each branch's status from its sandbox, and whether all of
-//! them are running yet (`Forked`).
+//! them are running yet (`Forked`); fail those whose node agent is gone for good.
 
 use std::collections::BTreeMap;
 
+use ramify_crds::capacity::CONDITION_READY;
 use ramify_crds::{
-    BranchPhase, BranchSetPhase, BranchSetStatus, BranchStatus, ConditionsExt, Sandbox,
-    SandboxPhase, VerdictValue,
+    BranchPhase, BranchSetPhase, BranchSetStatus, BranchStatus, ConditionsExt, REASON_NODE_LOST,
+    Sandbox, SandboxPhase, SandboxStatus, VerdictValue,
 };
 
-use super::{Ctx, FORKED, Note, Plan, branch_sandbox_name, elapsed, set};
+use super::{Ctx, FORKED, LostBranch, Note, Plan, branch_sandbox_name, elapsed, set};
 
 /// The branches as the last reconcile recorded them, by name.
 pub(super) fn recorded(status: &BranchSetStatus) -> BTreeMap<String, BranchStatus> {
@@ -115,6 +116,16 @@ fn branch_status(
     b.warm = st.restored_from.as_ref().is_some_and(|r| r.warm);
     b.fetched = st.restored_from.as_ref().is_some_and(|r| r.fetched);
     b.node = st.node_name.clone().or_else(|| sbx.spec.node_name.clone());
+    // Failed for its lost node: for good, whatever its sandbox reports later (a verdict
+    // racing in from an agent that came back never makes it a winner).
+    if node_lost(&b) {
+        return b;
+    }
+    if let Some(message) = sandbox_node_lost(&st) {
+        b.phase = BranchPhase::Failed;
+        b.reason = format!("{REASON_NODE_LOST}: {message}");
+        return b;
+    }
     if let Some(o) = &st.branch {
         b.exit_code = o.exit_code;
         b.verdict = o.verdict;
@@ -151,4 +162,93 @@ fn branch_status(
         (SandboxPhase::Pending | SandboxPhase::Starting, _) => BranchPhase::Forking,
     };
     b
+}
+
+/// Whether a branch was failed because its node agent was gone
+/// ([`REASON_NODE_LOST`]): it stays failed, whatever its sandbox reports later.
+pub fn node_lost(b: &BranchStatus) -> bool {
+    b.phase == BranchPhase::Failed && b.reason.starts_with(REASON_NODE_LOST)
+}
+
+/// The message of a branch Sandbox failed for its lost node (`Ready` reason
+/// [`REASON_NODE_LOST`]), if it was.
+fn sandbox_node_lost(st: &SandboxStatus) -> Option<&str> {
+    let ready = st.conditions.get_condition(CONDITION_READY)?;
+    (st.phase == SandboxPhase::Failed && ready.reason == REASON_NODE_LOST)
+        .then_some(ready.message.as_str())
+}
+
+/// Undecided branches bound to a node whose agent has been gone past the grace fail
+/// (`NodeLost`): recorded in the status this plan writes (guarded by the set's
+/// resourceVersion, like the winner: a branch failed here is never chosen, and a branch
+/// chosen is never failed here), then written to their Sandboxes. A branch recorded
+/// lost whose Sandbox does not say so yet, and reported nothing else meanwhile, is
+/// written again (the last write may not have landed). The other branches go on.
+pub(super) fn fail_lost(cx: &Ctx<'_>, p: &mut Plan) {
+    if p.status.winner.is_some() {
+        return;
+    }
+    for b in &mut p.status.branches {
+        let Some(sbx) = cx.by_branch.get(b.name.as_str()) else {
+            continue;
+        };
+        if sbx.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let st = sbx.status.as_ref();
+        let Some(node) = st
+            .and_then(|s| s.node_name.as_deref())
+            .or(sbx.spec.node_name.as_deref())
+        else {
+            continue;
+        };
+        let sandbox = sbx.metadata.name.clone().unwrap_or_default();
+        if matches!(
+            b.phase,
+            BranchPhase::Pending | BranchPhase::Forking | BranchPhase::Running
+        ) {
+            let Some(gone) = cx.obs.lost_nodes.get(node) else {
+                continue;
+            };
+            let message = format!(
+                "the agent of node {node} has been gone for {}s (its lease ran out) before \
+                 this branch's verdict: the branch fails, its BranchSet goes on with the others",
+                gone.as_secs()
+            );
+            b.phase = BranchPhase::Failed;
+            b.reason = format!("{REASON_NODE_LOST}: {message}");
+            p.notes.push(Note {
+                warning: true,
+                reason: REASON_NODE_LOST,
+                message: format!("branch {}: {message}", b.name),
+            });
+            p.fail_lost.push(LostBranch {
+                sandbox,
+                node: node.to_string(),
+                message,
+            });
+        } else if node_lost(b) {
+            let told = st.is_some_and(|s| sandbox_node_lost(s).is_some());
+            let reported = st.is_some_and(|s| {
+                s.branch.as_ref().is_some_and(|o| o.verdict.is_some())
+                    || matches!(
+                        s.phase,
+                        SandboxPhase::Failed | SandboxPhase::Aborted | SandboxPhase::Succeeded
+                    )
+            });
+            if !told && !reported {
+                let message = b
+                    .reason
+                    .strip_prefix(REASON_NODE_LOST)
+                    .map(|m| m.trim_start_matches(": "))
+                    .unwrap_or_default()
+                    .to_string();
+                p.fail_lost.push(LostBranch {
+                    sandbox,
+                    node: node.to_string(),
+                    message,
+                });
+            }
+        }
+    }
 }

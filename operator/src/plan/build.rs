@@ -90,11 +90,7 @@ pub(super) fn branch_sandbox(
             .spec
             .pod
             .as_ref()
-            .map(|p| ramify_crds::pod::PodSettings {
-                tolerations: p.tolerations.clone(),
-                priority_class_name: p.priority_class_name.clone(),
-                ..Default::default()
-            }),
+            .map(ramify_crds::pod::PodSettings::for_branch),
     };
     let mut sbx = Sandbox::new(&name, spec);
     sbx.metadata = ObjectMeta {

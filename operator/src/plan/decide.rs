@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use ramify_crds::{ANNOTATION_ABORT, BranchPhase, BranchStatus, Policy, VerdictValue};
 
-use super::{Ctx, DECIDED, Note, Plan, READY, elapsed, exhaust, finish_cleanup, set};
+use super::{Ctx, DECIDED, Note, Plan, READY, elapsed, exhaust, finish_cleanup, node_lost, set};
 
 /// The winner (chosen now or earlier); breaks while there is none.
 pub(super) fn decide(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<(), String> {
@@ -66,7 +66,12 @@ pub(super) fn decide(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<(), String> {
             && !any_commit
             && !names.is_empty()
         {
-            exhaust(p, "every branch aborted".into(), generation, now);
+            let lost = p.status.branches.iter().filter(|b| node_lost(b)).count();
+            let why = match lost {
+                0 => "every branch aborted".to_string(),
+                n => format!("every branch aborted or failed ({n} lost with their node)"),
+            };
+            exhaust(p, why, generation, now);
             finish_cleanup(cx, p);
         } else if now > deadline {
             exhaust(

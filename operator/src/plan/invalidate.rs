@@ -12,9 +12,12 @@ pub(super) fn invalidate(cx: &Ctx<'_>, p: &mut Plan, winner: &str) {
         if b.name == winner {
             continue;
         }
-        b.phase = BranchPhase::Invalidated;
-        if b.reason.is_empty() {
-            b.reason = format!("branch {winner} won");
+        // One failed for its lost node stays so: it did not lose, its node did.
+        if !super::node_lost(b) {
+            b.phase = BranchPhase::Invalidated;
+            if b.reason.is_empty() {
+                b.reason = format!("branch {winner} won");
+            }
         }
         if let Some(sbx) = cx.by_branch.get(b.name.as_str()) {
             let sbx_name = sbx.metadata.name.clone().unwrap_or_default();

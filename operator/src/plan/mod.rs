@@ -9,9 +9,10 @@
 //! Failed: the snapshot failed, or the parent was invalidated (nested BranchSets).
 //!
 //! `plan_lifecycle` runs the phases in order, one file each: `source` (resolve the
-//! source), `snapshot` (await it), `fork`, `branches` (observe them), `decide`,
-//! `invalidate` (the losers), `commit` (observe it). Then `effects` gates what the
-//! branches asked for; `build` makes the objects to create.
+//! source), `snapshot` (await it), `fork`, `branches` (observe them, and fail those
+//! whose node agent is gone for good), `decide`, `invalidate` (the losers), `commit`
+//! (observe it). Then `effects` gates what the branches asked for; `build` makes the
+//! objects to create.
 
 mod branches;
 mod build;
@@ -34,6 +35,7 @@ use ramify_crds::{
     ConditionsExt, LABEL_BRANCH, Sandbox, Snapshot,
 };
 
+pub use branches::node_lost;
 pub use decide::first_commit;
 pub use effects::{gate, next_effect};
 
@@ -55,9 +57,24 @@ pub struct Observed<'a> {
     /// The nodes taking work, in the order to fill them (read only for a set with
     /// `spec.placement`; empty otherwise).
     pub nodes: &'a [String],
+    /// The nodes whose agent has been gone past the branch grace, with how long (read
+    /// only while the set is undecided; empty otherwise): their undecided branches fail.
+    pub lost_nodes: &'a BTreeMap<String, Duration>,
     /// The operator runs in cluster mode (Pods placed by the scheduler).
     pub cluster_mode: bool,
     pub now: Timestamp,
+}
+
+/// A branch Sandbox to fail because its node agent is gone
+/// ([`ramify_crds::REASON_NODE_LOST`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostBranch {
+    /// The branch's Sandbox.
+    pub sandbox: String,
+    /// The node it is bound to.
+    pub node: String,
+    /// Why, naming the node and how long its agent has been gone.
+    pub message: String,
 }
 
 /// An Event to publish.
@@ -78,6 +95,9 @@ pub struct Plan {
     pub delete_branches: Vec<String>,
     /// Sandboxes that lost: BranchSets nested under them must abort too.
     pub invalidated_parents: Vec<String>,
+    /// Undecided branches bound to a lost node: their Sandboxes are to be failed
+    /// (`NodeLost`), after this plan's status (which records them failed) is written.
+    pub fail_lost: Vec<LostBranch>,
     pub notes: Vec<Note>,
     /// Reconcile again after this long even without a change (timeouts).
     pub requeue: Option<Duration>,
@@ -220,6 +240,7 @@ fn plan_lifecycle(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<()> {
     let old = branches::recorded(&p.status);
     fork::fork(cx, p, &old, &snap_name, &ready);
     branches::observe_branches(cx, p, &old, &snap_name);
+    branches::fail_lost(cx, p);
     let winner = decide::decide(cx, p)?;
     invalidate::invalidate(cx, p, &winner);
     commit::observe_commit(cx, p, ready.parent, &winner);

@@ -126,6 +126,7 @@ fn run(
         parent,
         branches,
         nodes: &[],
+        lost_nodes: &BTreeMap::new(),
         cluster_mode: false,
         now: t(now),
     })
@@ -161,6 +162,7 @@ fn placement_spreads_branches_and_the_rest_wait_for_a_node() {
         parent: Some(&parent()),
         branches: &[],
         nodes: &nodes,
+        lost_nodes: &BTreeMap::new(),
         cluster_mode: false,
         now: t(2),
     });
@@ -501,4 +503,251 @@ fn a_vanished_branch_fails_instead_of_restarting() {
     let c = p.status.branches.iter().find(|b| b.name == "c").unwrap();
     assert_eq!(c.phase, BranchPhase::Failed);
     assert!(p.create_branches.is_empty(), "never re-created silently");
+}
+
+/// A branch sandbox bound to `node`.
+fn on(node: &str, mut s: Sandbox) -> Sandbox {
+    s.status.as_mut().unwrap().node_name = Some(node.into());
+    s
+}
+
+/// The plan with the nodes `lost` (name, seconds gone) past the branch grace.
+fn run_lost(
+    bs: &BranchSet,
+    branches: &[Sandbox],
+    parent: &Sandbox,
+    lost: &[(&str, u64)],
+    now: i64,
+) -> Plan {
+    let lost: BTreeMap<String, Duration> = lost
+        .iter()
+        .map(|(n, s)| (n.to_string(), Duration::from_secs(*s)))
+        .collect();
+    plan(&Observed {
+        bs,
+        snapshot: Some(&ready_snapshot()),
+        parent: Some(parent),
+        branches,
+        nodes: &[],
+        lost_nodes: &lost,
+        cluster_mode: false,
+        now: t(now),
+    })
+}
+
+/// What the operator's node-lost write leaves on a branch sandbox.
+fn told_lost(mut s: Sandbox, message: &str) -> Sandbox {
+    let st = s.status.as_mut().unwrap();
+    st.phase = SandboxPhase::Failed;
+    st.conditions.set_condition(
+        ramify_crds::Condition::new(
+            "Ready",
+            ramify_crds::ConditionStatus::False,
+            ramify_crds::REASON_NODE_LOST,
+            message,
+            None,
+        ),
+        Time(t(0)),
+    );
+    s
+}
+
+fn phase_of(p: &Plan, name: &str) -> (BranchPhase, String) {
+    let b = p.status.branches.iter().find(|b| b.name == name).unwrap();
+    (b.phase, b.reason.clone())
+}
+
+#[test]
+fn branches_on_a_lost_node_fail_and_the_set_goes_on_without_them() {
+    let mut bs = three();
+    let parent = parent();
+    let running = |name: &str, node: &str| on(node, branch(name, SandboxPhase::Running, None));
+    let branches = [running("a", "n1"), running("b", "n2"), running("c", "n2")];
+    let p = run_lost(&bs, &branches, &parent, &[], 5);
+    assert_eq!(p.status.phase, BranchSetPhase::Running);
+    assert!(p.fail_lost.is_empty());
+    advance(&mut bs, &p);
+
+    // n2's agent is gone past the grace: its undecided branches fail, saying so.
+    let p = run_lost(&bs, &branches, &parent, &[("n2", 70)], 80);
+    let failed: Vec<_> = p.fail_lost.iter().map(|l| l.sandbox.as_str()).collect();
+    assert_eq!(failed, ["bs-b", "bs-c"]);
+    assert!(p.fail_lost.iter().all(|l| l.node == "n2"));
+    assert!(
+        p.fail_lost[0].message.contains("node n2") && p.fail_lost[0].message.contains("70s"),
+        "{}",
+        p.fail_lost[0].message
+    );
+    for name in ["b", "c"] {
+        let (phase, reason) = phase_of(&p, name);
+        assert_eq!(phase, BranchPhase::Failed);
+        assert!(reason.starts_with("NodeLost: "), "{reason}");
+        assert!(super::node_lost(
+            p.status.branches.iter().find(|b| b.name == name).unwrap()
+        ));
+    }
+    assert_eq!(phase_of(&p, "a").0, BranchPhase::Running);
+    assert_eq!(p.status.phase, BranchSetPhase::Running, "the set goes on");
+    assert!(p.status.winner.is_none());
+    assert!(
+        p.delete_branches.is_empty(),
+        "failed, not deleted before the set ends"
+    );
+    assert_eq!(
+        p.notes
+            .iter()
+            .filter(|n| n.warning && n.reason == "NodeLost")
+            .count(),
+        2
+    );
+    advance(&mut bs, &p);
+
+    // Their Sandboxes say so now: nothing more to write.
+    let msg = p.fail_lost[0].message.clone();
+    let branches = [
+        running("a", "n1"),
+        told_lost(running("b", "n2"), &msg),
+        told_lost(running("c", "n2"), &msg),
+    ];
+    let p = run_lost(&bs, &branches, &parent, &[("n2", 72)], 82);
+    assert!(p.fail_lost.is_empty(), "{:?}", p.fail_lost);
+    assert_eq!(phase_of(&p, "b").0, BranchPhase::Failed);
+    advance(&mut bs, &p);
+
+    // The branch on the live node commits: it wins; the lost ones stay failed (they
+    // did not lose, their node did) and go with the set.
+    let branches = [
+        on(
+            "n1",
+            branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 90))),
+        ),
+        told_lost(running("b", "n2"), &msg),
+        told_lost(running("c", "n2"), &msg),
+    ];
+    let p = run_lost(&bs, &branches, &parent, &[("n2", 80)], 91);
+    assert_eq!(p.status.winner.as_deref(), Some("a"));
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+    assert!(p.fail_lost.is_empty());
+    let mut deleted = p.delete_branches.clone();
+    deleted.sort();
+    assert_eq!(deleted, ["bs-b", "bs-c"]);
+    for name in ["b", "c"] {
+        let (phase, reason) = phase_of(&p, name);
+        assert_eq!(
+            (phase, reason.starts_with("NodeLost")),
+            (BranchPhase::Failed, true)
+        );
+    }
+    advance(&mut bs, &p);
+    let mut committed = parent.clone();
+    committed.status.as_mut().unwrap().last_commit = Some(AppliedCommit {
+        branch_set: "bs".into(),
+        branch_set_uid: "uid-1".into(),
+        winner: "a".into(),
+        commit: CommitStatus {
+            mode: CommitMode::Full,
+            files: vec![],
+            file_count: 1,
+            bytes: 1,
+            at: Some(Time(t(92))),
+        },
+    });
+    let p = run_lost(&bs, &branches, &committed, &[], 93);
+    assert_eq!(p.status.phase, BranchSetPhase::Committed);
+    let won: Vec<_> = p
+        .status
+        .branches
+        .iter()
+        .filter(|b| matches!(b.phase, BranchPhase::Won | BranchPhase::Succeeded))
+        .map(|b| b.name.as_str())
+        .collect();
+    assert_eq!(won, ["a"], "exactly one winner");
+}
+
+#[test]
+fn a_branch_failed_for_its_lost_node_never_wins_a_verdict_racing_in() {
+    let mut bs = branchset(
+        serde_json::json!({"source": {"sandbox": "parent"}, "branches": [{"name": "a"}, {"name": "b"}], "timeoutSeconds": 100}),
+    );
+    let parent = parent();
+    let branches = [
+        on("n1", branch("a", SandboxPhase::Running, None)),
+        on("n2", branch("b", SandboxPhase::Running, None)),
+    ];
+    let p = run_lost(&bs, &branches, &parent, &[("n2", 5)], 10);
+    assert_eq!(phase_of(&p, "b").0, BranchPhase::Failed);
+    assert_eq!(p.fail_lost.len(), 1);
+    advance(&mut bs, &p);
+
+    // The Sandbox write did not land: written again while it reports nothing else.
+    let p = run_lost(&bs, &branches, &parent, &[("n2", 7)], 12);
+    assert_eq!(p.fail_lost.len(), 1, "{:?}", p.fail_lost);
+    assert!(p.fail_lost[0].message.contains("node n2"));
+    assert!(
+        p.notes.iter().all(|n| n.reason != "NodeLost"),
+        "announced once"
+    );
+    advance(&mut bs, &p);
+
+    // Its agent came back and reported a commit verdict (earlier than any other):
+    // it stays failed, is never written again, and never wins.
+    let branches = [
+        on("n1", branch("a", SandboxPhase::Running, None)),
+        on(
+            "n2",
+            branch("b", SandboxPhase::Running, Some((VerdictValue::Commit, 3))),
+        ),
+    ];
+    let p = run_lost(&bs, &branches, &parent, &[], 13);
+    assert!(p.status.winner.is_none());
+    assert!(p.fail_lost.is_empty());
+    let (phase, reason) = phase_of(&p, "b");
+    assert_eq!(phase, BranchPhase::Failed);
+    assert!(reason.starts_with("NodeLost"), "{reason}");
+    advance(&mut bs, &p);
+
+    // The other branch aborts: every branch ended without a winner; the set says why.
+    let branches = [
+        on(
+            "n1",
+            branch("a", SandboxPhase::Running, Some((VerdictValue::Abort, 14))),
+        ),
+        on(
+            "n2",
+            branch("b", SandboxPhase::Running, Some((VerdictValue::Commit, 3))),
+        ),
+    ];
+    let p = run_lost(&bs, &branches, &parent, &[], 15);
+    assert_eq!(p.status.phase, BranchSetPhase::Exhausted);
+    assert!(p.status.winner.is_none());
+    let ready = p.status.conditions.get_condition(READY).unwrap();
+    assert!(
+        ready.message.contains("1 lost with their node"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(phase_of(&p, "b").0, BranchPhase::Failed);
+}
+
+#[test]
+fn a_sandbox_failed_for_its_lost_node_fails_its_branch_and_decided_branches_stay() {
+    let bs = three();
+    let parent = parent();
+    // b's Sandbox says NodeLost (a set status that trailed, or another replica's
+    // write); c decided before its node was lost: its verdict stands.
+    let branches = [
+        on("n1", branch("a", SandboxPhase::Running, None)),
+        told_lost(on("n2", branch("b", SandboxPhase::Running, None)), "gone"),
+        on(
+            "n2",
+            branch("c", SandboxPhase::Running, Some((VerdictValue::Commit, 4))),
+        ),
+    ];
+    let p = run_lost(&bs, &branches, &parent, &[("n2", 9)], 10);
+    assert_eq!(
+        phase_of(&p, "b"),
+        (BranchPhase::Failed, "NodeLost: gone".into())
+    );
+    assert!(p.fail_lost.is_empty(), "{:?}", p.fail_lost);
+    assert_eq!(p.status.winner.as_deref(), Some("c"));
 }
