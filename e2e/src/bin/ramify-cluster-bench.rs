@@ -6,7 +6,11 @@
 //!   runc Pod of the same image (busybox:1 by digest) on the same node, both created
 //!   through the API, images already on the node;
 //! - a cold fork of 4 from a live sandbox (snapshot + 4 branch Pods + 4 restores), in
-//!   cluster mode and then in standalone mode on the same machine.
+//!   cluster mode and then in standalone mode on the same machine;
+//! - a warm fork of 4 from a Snapshot's warm pool of 4, created through the API (as an
+//!   agent framework does), in cluster mode (the branches adopt the pool's Pods and
+//!   thaw the branches frozen in them) and in standalone mode; the pool refills between
+//!   runs, and how many branches were served warm is printed.
 //!
 //!   cargo build --bins && cargo build --release --bins
 //!   RAMIFY_PROFILE=release target/debug/ramify-cluster-bench [--runs 5]
@@ -169,6 +173,89 @@ async fn cold_forks(sys: &System, image: &str, runs: usize) -> Vec<Duration> {
     took
 }
 
+/// A BranchSet of [`BRANCHES`] from the snapshot `snap`, created through the API:
+/// create -> every branch Running. Returns that time and how many were served warm;
+/// then the set is deleted and its branches waited out.
+async fn fork_until_running(sys: &System, snap: &str, name: &str) -> (Duration, usize) {
+    let branches: Vec<_> = (0..BRANCHES)
+        .map(|i| json!({"name": format!("b{i}")}))
+        .collect();
+    let bs: BranchSet = serde_json::from_value(json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "BranchSet",
+        "metadata": {"name": name},
+        "spec": {"source": {"snapshot": snap}, "branches": branches,
+                 "policy": "Manual", "timeoutSeconds": 600}
+    }))
+    .unwrap();
+    let sandboxes = sys.sandboxes();
+    let waits = (0..BRANCHES).map(|i| {
+        let api = sandboxes.clone();
+        let branch = ramify_crds::branch_sandbox_name(name, &format!("b{i}"));
+        async move { wait_for(&api, &branch, "running", sandbox_running).await }
+    });
+    let (branchsets, params) = (sys.branchsets(), PostParams::default());
+    let t0 = Instant::now();
+    let (_, created) = tokio::join!(
+        futures::future::join_all(waits),
+        branchsets.create(&params, &bs)
+    );
+    created.unwrap();
+    let took = t0.elapsed();
+    let mut warm = 0;
+    for i in 0..BRANCHES {
+        let branch = ramify_crds::branch_sandbox_name(name, &format!("b{i}"));
+        let s = sandboxes.get(&branch).await.unwrap();
+        if s.status
+            .and_then(|st| st.restored_from)
+            .is_some_and(|r| r.warm)
+        {
+            warm += 1;
+        }
+    }
+    delete_fork(sys, name).await;
+    (took, warm)
+}
+
+/// Deletes BranchSet `name` and waits until its branches are gone.
+async fn delete_fork(sys: &System, name: &str) {
+    sys.branchsets()
+        .delete(name, &DeleteParams::default())
+        .await
+        .unwrap();
+    sys.wait_branches_gone(name, 300).await;
+}
+
+/// A Snapshot of the running `ws` with a warm pool of [`BRANCHES`], then `runs` warm
+/// forks from it, each once the pool is full again. Returns the times and how many
+/// branches were served warm.
+async fn warm_forks(sys: &System, runs: usize) -> (Vec<Duration>, usize) {
+    let snaps: Api<ramify_crds::Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let snap: ramify_crds::Snapshot = serde_json::from_value(json!({
+        "apiVersion": "ramify.dev/v1alpha1", "kind": "Snapshot",
+        "metadata": {"name": "pool"},
+        "spec": {"source": {"sandbox": "ws"}, "warmPool": {"size": BRANCHES}}
+    }))
+    .unwrap();
+    snaps.create(&PostParams::default(), &snap).await.unwrap();
+    let full = |s: Option<&ramify_crds::Snapshot>| {
+        s.and_then(|s| s.status.as_ref()?.warm.as_ref())
+            .is_some_and(|w| usize::try_from(w.ready).unwrap_or(0) >= BRANCHES)
+    };
+    let (mut took, mut warm) = (Vec::new(), 0);
+    for i in 0..runs {
+        // Full again: the refills' restores (CPU-bound) are done before the fork starts.
+        wait_for(&snaps, "pool", "full", full).await;
+        let (t, w) = fork_until_running(sys, "pool", &format!("warm{i}")).await;
+        took.push(t);
+        warm += w;
+    }
+    snaps
+        .delete("pool", &DeleteParams::default())
+        .await
+        .unwrap();
+    (took, warm)
+}
+
 fn ms(d: Duration) -> u128 {
     d.as_millis()
 }
@@ -227,6 +314,7 @@ async fn main() {
         );
     }
     let cluster_fork = cold_forks(&sys, &busybox, runs).await;
+    let (cluster_warm, cluster_served) = warm_forks(&sys, runs).await;
     sys.teardown_and_check_clean().await;
     node.stop().unwrap();
 
@@ -238,6 +326,7 @@ async fn main() {
     )
     .await;
     let standalone_fork = cold_forks(&sys, &busybox, runs).await;
+    let (standalone_warm, standalone_served) = warm_forks(&sys, runs).await;
     sys.teardown_and_check_clean().await;
 
     let profile = std::env::var("RAMIFY_PROFILE").unwrap_or_else(|_| "debug".into());
@@ -259,5 +348,17 @@ async fn main() {
     println!(
         "| the same fork in standalone mode -> all Running | {} |",
         summary(&standalone_fork)
+    );
+    println!(
+        "| warm fork of {BRANCHES} from a warm pool of {BRANCHES}, cluster mode (adopts the pool's Pods), created through the API -> all Running | {} |",
+        summary(&cluster_warm)
+    );
+    println!(
+        "| the same warm fork in standalone mode | {} |",
+        summary(&standalone_warm)
+    );
+    let all = runs * BRANCHES;
+    println!(
+        "served warm: {cluster_served} of {all} in cluster mode, {standalone_served} of {all} in standalone mode"
     );
 }
