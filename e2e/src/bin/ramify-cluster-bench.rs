@@ -124,36 +124,8 @@ fn sandbox(name: &str, image: &str, script: &str) -> serde_json::Value {
 /// A cold fork of [`BRANCHES`] from the running sandbox `source`: create -> every
 /// branch Running; then the set is deleted and its branches waited out.
 async fn cold_fork(sys: &System, source: &str, run: usize) -> Duration {
-    let name = format!("fork{run}");
-    let branches: Vec<_> = (0..BRANCHES)
-        .map(|i| json!({"name": format!("b{i}")}))
-        .collect();
-    let bs: BranchSet = serde_json::from_value(json!({
-        "apiVersion": "ramify.dev/v1alpha1", "kind": "BranchSet",
-        "metadata": {"name": name},
-        "spec": {"source": {"sandbox": source}, "branches": branches,
-                 "policy": "Manual", "timeoutSeconds": 600}
-    }))
-    .unwrap();
-    let sandboxes = sys.sandboxes();
-    let waits = (0..BRANCHES).map(|i| {
-        let api = sandboxes.clone();
-        let branch = ramify_crds::branch_sandbox_name(&name, &format!("b{i}"));
-        async move { wait_for(&api, &branch, "running", sandbox_running).await }
-    });
-    let (branchsets, params) = (sys.branchsets(), PostParams::default());
-    let t0 = Instant::now();
-    let (_, created) = tokio::join!(
-        futures::future::join_all(waits),
-        branchsets.create(&params, &bs)
-    );
-    created.unwrap();
-    let took = t0.elapsed();
-    sys.branchsets()
-        .delete(&name, &DeleteParams::default())
-        .await
-        .unwrap();
-    sys.wait_branches_gone(&name, 300).await;
+    let (took, _) =
+        fork_until_running(sys, json!({"sandbox": source}), &format!("fork{run}")).await;
     took
 }
 
@@ -173,17 +145,21 @@ async fn cold_forks(sys: &System, image: &str, runs: usize) -> Vec<Duration> {
     took
 }
 
-/// A BranchSet of [`BRANCHES`] from the snapshot `snap`, created through the API:
-/// create -> every branch Running. Returns that time and how many were served warm;
-/// then the set is deleted and its branches waited out.
-async fn fork_until_running(sys: &System, snap: &str, name: &str) -> (Duration, usize) {
+/// A BranchSet of [`BRANCHES`] from `source` (its `spec.source`), created through the
+/// API: create -> every branch Running. Returns that time and how many were served
+/// warm; then the set is deleted and its branches waited out.
+async fn fork_until_running(
+    sys: &System,
+    source: serde_json::Value,
+    name: &str,
+) -> (Duration, usize) {
     let branches: Vec<_> = (0..BRANCHES)
         .map(|i| json!({"name": format!("b{i}")}))
         .collect();
     let bs: BranchSet = serde_json::from_value(json!({
         "apiVersion": "ramify.dev/v1alpha1", "kind": "BranchSet",
         "metadata": {"name": name},
-        "spec": {"source": {"snapshot": snap}, "branches": branches,
+        "spec": {"source": source, "branches": branches,
                  "policy": "Manual", "timeoutSeconds": 600}
     }))
     .unwrap();
@@ -245,7 +221,8 @@ async fn warm_forks(sys: &System, runs: usize) -> (Vec<Duration>, usize) {
     for i in 0..runs {
         // Full again: the refills' restores (CPU-bound) are done before the fork starts.
         wait_for(&snaps, "pool", "full", full).await;
-        let (t, w) = fork_until_running(sys, "pool", &format!("warm{i}")).await;
+        let (t, w) =
+            fork_until_running(sys, json!({"snapshot": "pool"}), &format!("warm{i}")).await;
         took.push(t);
         warm += w;
     }
