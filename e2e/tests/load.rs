@@ -26,12 +26,16 @@ use ramify_e2e::system::{System, node_leftovers_except};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The bound on the probes' p99: the API server's answers (`/readyz` on a kept
-/// connection, the list of Sandboxes) stay under it.
+/// The bound on the API server's p99: `/readyz` on a kept connection, and the
+/// lists of Sandboxes as the API server itself timed them (its request-duration
+/// histogram: at most 1% of them over 1 s).
 const API_P99_BOUND: Duration = Duration::from_secs(1);
-/// The bound on `kubectl get --raw /readyz` as a new process per sample: that also
-/// pays kubectl's start-up and a TLS handshake, which on this 2-core machine shared
-/// with other work (builds) took up to 1 s at p99 by itself (printed as the breakdown).
+/// The bound on what this test's own clients see: `kubectl get --raw /readyz` as a new
+/// process per sample (kubectl's start-up and a TLS handshake, up to 1 s at p99 by
+/// itself on this 2-core machine shared with other work) and the Table of Sandboxes read
+/// to its last byte by this debug-built process, which runs at no priority over the
+/// sandboxes: in one CI run its p99 was 1028 ms while the API server had answered 262 of
+/// 265 of those lists within 0.4 s. Both are printed.
 const P99_BOUND: Duration = Duration::from_secs(3);
 
 fn wide(name: &str, source: &str) -> String {
@@ -304,6 +308,16 @@ fn list_counts(sys: &System) -> BTreeMap<&'static str, f64> {
     c
 }
 
+/// Of the lists of Sandboxes the API server answered between two readings: how many,
+/// and how many it took over 1 s to answer.
+fn lists_over_1s(
+    before: &BTreeMap<&'static str, f64>,
+    after: &BTreeMap<&'static str, f64>,
+) -> (f64, f64) {
+    let d = |k: &str| after.get(k).copied().unwrap_or(0.0) - before.get(k).copied().unwrap_or(0.0);
+    (d("total"), d("total") - d("1"))
+}
+
 /// What the API server says of the lists of Sandboxes it answered between two readings.
 fn list_text(before: &BTreeMap<&'static str, f64>, after: &BTreeMap<&'static str, f64>) -> String {
     let d = |k: &str| after.get(k).copied().unwrap_or(0.0) - before.get(k).copied().unwrap_or(0.0);
@@ -407,7 +421,9 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
     let to_committed = t0.elapsed();
     let probed = probe.finish().await;
     let after = sys.api_requests();
-    let lists = list_text(&lists_before, &list_counts(&sys));
+    let lists_after = list_counts(&sys);
+    let lists = list_text(&lists_before, &lists_after);
+    let (lists_total, lists_slow) = lists_over_1s(&lists_before, &lists_after);
     let cpu_after = cpu_seconds(&sys);
     let st = bs.status.unwrap();
     assert_eq!(st.phase, BranchSetPhase::Committed, "{st:#?}");
@@ -464,10 +480,18 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
     assert!(probed.failures.is_empty(), "{:#?}", probed.failures);
     let kept99 = p99(&probed.readyz_kept);
     assert!(
-        kept99 < API_P99_BOUND && l99 < API_P99_BOUND,
-        "the API server's p99: /readyz {kept99:?}, get sandboxes {l99:?}; it says: {lists}"
+        lists_total >= probed.list.len() as f64,
+        "the API server counted {lists_total} lists of sandboxes, the probe made {}",
+        probed.list.len()
     );
-    assert!(r99 < P99_BOUND, "kubectl get --raw /readyz p99 {r99:?}");
+    assert!(
+        kept99 < API_P99_BOUND && lists_slow * 100.0 <= lists_total,
+        "the API server's p99: /readyz {kept99:?}; it says: {lists}"
+    );
+    assert!(
+        r99 < P99_BOUND && l99 < P99_BOUND,
+        "as this test's clients saw it, p99: kubectl get --raw /readyz {r99:?}, get sandboxes {l99:?}"
+    );
     // 1.6 CPU holds the workspace and two 500m branches; a third shows as running for
     // the moment between the agent freezing a decided branch and its verdict landing.
     assert!(
