@@ -97,18 +97,7 @@ async fn uploaded_downloaded_when_lost_corruption_refused_deletion_removes_the_c
     std::fs::remove_dir_all(objectstore::local_image(&sys.state_dir, &sha).unwrap()).unwrap();
     let biggest = m.blobs.iter().max_by_key(|b| b.stored_size).unwrap();
     let key = remote.blob_key(&biggest.sha256);
-    let mut bytes = remote
-        .object_store()
-        .get(&key)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0x01;
-    remote.object_store().put(&key, bytes.into()).await.unwrap();
+    objectstore::flip_middle_byte(&remote, &key).await;
     sys.apply(&sys.restored_yaml("corrupt", "snap"));
     let s = wait_phase(&sys, "corrupt", SandboxPhase::Failed).await;
     let st = s.status.unwrap();

@@ -124,18 +124,8 @@ async fn a_corrupted_remote_blob_is_refused_and_nothing_is_restored() {
     );
     remote.upload(&local, "img-c").await.unwrap();
     let key = remote.blob_key(&sha_of(&pages));
-    let mut bytes = remote
-        .object_store()
-        .get(&key)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0x40;
-    remote.object_store().put(&key, bytes.into()).await.unwrap();
+    let size = remote.object_store().head(&key).await.unwrap().size;
+    flip_byte(&remote, &key, (size / 2) as usize).await;
 
     let dst = tempfile::tempdir().unwrap();
     let there = SnapshotStore::open(dst.path()).unwrap();
@@ -195,6 +185,51 @@ async fn a_corrupted_remote_blob_is_refused_and_nothing_is_restored() {
     assert!(matches!(e, RemoteError::BadManifest { .. }), "{e}");
     remote.object_store().delete(&mk).await.unwrap();
     remote.object_store().delete(&key).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_large_blob_read_in_parallel_ranges_lands_whole_and_a_corrupt_range_is_refused() {
+    use ramify_node_agent::remote::RANGE_BYTES;
+    let remote = remote_store();
+    let src = tempfile::tempdir().unwrap();
+    let local = SnapshotStore::open(src.path()).unwrap();
+    // Incompressible, so the stored blob is about as large: three ranges, the last short.
+    let pages = pseudo_random(7, 20 << 20);
+    let m = seal(
+        &local,
+        "img-r",
+        &[("pages.img", &pages), ("meta.img", b"m")],
+    );
+    remote.upload(&local, "img-r").await.unwrap();
+    let key = remote.blob_key(&sha_of(&pages));
+    let stored = remote.object_store().head(&key).await.unwrap().size;
+    assert!(
+        stored > 2 * RANGE_BYTES,
+        "{stored} bytes: fewer than 3 ranges"
+    );
+
+    let dst = tempfile::tempdir().unwrap();
+    let there = SnapshotStore::open(dst.path()).unwrap();
+    let d = remote.download(&there, &m.sha256).await.unwrap();
+    assert!(d.bytes_received >= stored, "{d:?}");
+    let (_, img) = there.verify("img-r", RUNSC).unwrap();
+    assert!(std::fs::read(img.join("pages.img")).unwrap() == pages);
+
+    // One bit flipped in the middle range (same length): refused by its sha256, and
+    // nothing of the image is left.
+    flip_byte(&remote, &key, (RANGE_BYTES + RANGE_BYTES / 2) as usize).await;
+    let dst2 = tempfile::tempdir().unwrap();
+    let there2 = SnapshotStore::open(dst2.path()).unwrap();
+    let e = remote.download(&there2, &m.sha256).await.unwrap_err();
+    match &e {
+        RemoteError::Corrupt { file, actual, .. } => {
+            assert_eq!(file, "pages.img");
+            assert!(actual.len() == 64 && actual != &sha_of(&pages), "{e}");
+        }
+        other => panic!("expected a corrupt blob refused, got {other}"),
+    }
+    assert_eq!(std::fs::read_dir(dst2.path()).unwrap().count(), 0);
+    remote.delete(&m.sha256).await.unwrap();
 }
 
 #[tokio::test]

@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use object_store::ObjectStoreExt;
 use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
 
 fn env(name: &str) -> String {
@@ -99,4 +100,25 @@ pub fn local_image(state_dir: &Path, sha256: &str) -> Option<PathBuf> {
         meta.contains(&format!("\"sha256\": \"{sha256}\""))
             .then(|| e.path())
     })
+}
+
+/// Flips one bit of the middle byte of object `key`, keeping its length (a corruption
+/// only the sha256 can tell).
+pub async fn flip_middle_byte(remote: &RemoteStore, key: &object_store::path::Path) {
+    let mut bytes = remote
+        .object_store()
+        .get(key)
+        .await
+        .expect("get the object")
+        .bytes()
+        .await
+        .expect("read the object")
+        .to_vec();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x01;
+    remote
+        .object_store()
+        .put(key, bytes.into())
+        .await
+        .expect("put the object back");
 }

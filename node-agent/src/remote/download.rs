@@ -1,8 +1,16 @@
 //! Download of an image into the local store: each blob streamed, decompressed and
 //! hashed on the blocking pool as it is written; any mismatch (sha256, size, a blob
 //! larger than the manifest says) refuses the whole image and removes what was written.
+//!
+//! A blob larger than [`RANGE_BYTES`] is read as ranges, [`PARALLEL_RANGES`] at once:
+//! one HTTP stream from an S3 gateway is bounded by its per-connection throughput, and
+//! the next ranges arrive while this one is decompressed and hashed. Ranges are handed
+//! to the decompressor in order, so decompression and the sha256 stay sequential and
+//! verified; at most `(PARALLEL_RANGES + channel depth) * RANGE_BYTES` of one download
+//! is in memory.
 
 use std::io::{Read, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
@@ -15,6 +23,19 @@ use tracing::{info, instrument, warn};
 
 use super::{RemoteError, RemoteStore, Result};
 use crate::store::{ImageFile, SnapshotMeta, SnapshotStore};
+
+/// The size of one ranged read of a blob.
+pub const RANGE_BYTES: u64 = 8 << 20;
+/// How many ranges of one blob are read at once.
+pub const PARALLEL_RANGES: usize = 4;
+
+/// `0..len` cut into consecutive ranges of `step` bytes (the last one shorter).
+fn ranges(len: u64, step: u64) -> Vec<Range<u64>> {
+    let step = step.max(1);
+    (0..len.div_ceil(step))
+        .map(|i| i * step..((i + 1) * step).min(len))
+        .collect()
+}
 
 /// What one download did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,28 +111,18 @@ impl RemoteStore {
     /// Stream blob `key` into `dest` (created, 0600), checking it decompresses to
     /// exactly `f`. Returns the compressed bytes received.
     async fn fetch_file(&self, key: &Key, f: &ImageFile, stored: u64, dest: &Path) -> Result<u64> {
+        if stored > RANGE_BYTES {
+            return self.fetch_ranges(key, f, stored, dest).await;
+        }
         let got = self
             .store
             .get(key)
             .await
             .map_err(RemoteError::store("get", key))?;
         if got.meta.size != stored {
-            return Err(RemoteError::Corrupt {
-                key: key.to_string(),
-                file: f.name.clone(),
-                expected: f.sha256.clone(),
-                actual: format!(
-                    "(not read: the object is {} bytes, {stored} were stored)",
-                    got.meta.size
-                ),
-            });
+            return Err(size_changed(key, f, got.meta.size, stored));
         }
-        let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(4);
-        let writer = {
-            let dest = dest.to_path_buf();
-            let size = f.size;
-            tokio::task::spawn_blocking(move || decompress(rx, &dest, size))
-        };
+        let (tx, writer) = start_writer(f, dest);
         let mut stream = got.into_stream();
         let mut received = 0u64;
         let mut failed = None;
@@ -133,37 +144,140 @@ impl RemoteStore {
             }
         }
         drop(tx);
-        let result = writer.await.map_err(|e| RemoteError::Join(e.to_string()))?;
-        if let Some(e) = failed {
-            return Err(e);
+        finish_file(key, f, writer, failed).await?;
+        Ok(received)
+    }
+
+    /// [`Self::fetch_file`] for a blob above [`RANGE_BYTES`]: its ranges read
+    /// `ranges_in_flight` at once, fed to the decompressor in order. A range shorter
+    /// than asked (the object changed under us) refuses the blob.
+    async fn fetch_ranges(
+        &self,
+        key: &Key,
+        f: &ImageFile,
+        stored: u64,
+        dest: &Path,
+    ) -> Result<u64> {
+        let head = self
+            .store
+            .head(key)
+            .await
+            .map_err(RemoteError::store("head", key))?;
+        if head.size != stored {
+            return Err(size_changed(key, f, head.size, stored));
         }
-        let (size, sha) = match result {
-            Ok(r) => r,
-            // Bytes that do not decompress are a corrupt object, not an I/O failure.
-            Err(Decompress::Corrupt(why)) => {
-                return Err(RemoteError::Corrupt {
-                    key: key.to_string(),
-                    file: f.name.clone(),
-                    expected: f.sha256.clone(),
-                    actual: format!("(unreadable: {why})"),
-                });
+        let (tx, writer) = start_writer(f, dest);
+        let store = self.store.clone();
+        let mut parts = futures::stream::iter(ranges(stored, RANGE_BYTES))
+            .map(|r| {
+                let store = store.clone();
+                async move {
+                    let got = store.get_range(key, r.clone()).await;
+                    (r, got)
+                }
+            })
+            .buffered(self.ranges_in_flight);
+        let mut received = 0u64;
+        let mut failed = None;
+        while let Some((r, got)) = parts.next().await {
+            let b = match got {
+                Ok(b) if b.len() as u64 == r.end - r.start => b,
+                Ok(b) => {
+                    failed = Some(RemoteError::Corrupt {
+                        key: key.to_string(),
+                        file: f.name.clone(),
+                        expected: f.sha256.clone(),
+                        actual: format!(
+                            "(not read: bytes {}..{} of the object came back as {} bytes)",
+                            r.start,
+                            r.end,
+                            b.len()
+                        ),
+                    });
+                    break;
+                }
+                Err(e) => {
+                    failed = Some(RemoteError::store("get range", key)(e));
+                    break;
+                }
+            };
+            received += b.len() as u64;
+            if tx.send(Ok(b)).await.is_err() {
+                break; // the decompressor stopped: its error says why
             }
-            Err(Decompress::Local(e)) => return Err(e),
-        };
-        if sha != f.sha256 || size != f.size {
+        }
+        if failed.is_some() {
+            let _ = tx
+                .send(Err(std::io::Error::other("download interrupted")))
+                .await;
+        }
+        drop(tx);
+        finish_file(key, f, writer, failed).await?;
+        Ok(received)
+    }
+}
+
+type Writer = tokio::task::JoinHandle<std::result::Result<(u64, String), Decompress>>;
+
+/// The decompressor of one file, on the blocking pool, and the channel feeding it.
+fn start_writer(f: &ImageFile, dest: &Path) -> (mpsc::Sender<std::io::Result<Bytes>>, Writer) {
+    let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(4);
+    let dest = dest.to_path_buf();
+    let size = f.size;
+    (
+        tx,
+        tokio::task::spawn_blocking(move || decompress(rx, &dest, size)),
+    )
+}
+
+/// The object's size is not what the manifest recorded at upload: refused unread.
+fn size_changed(key: &Key, f: &ImageFile, now: u64, stored: u64) -> RemoteError {
+    RemoteError::Corrupt {
+        key: key.to_string(),
+        file: f.name.clone(),
+        expected: f.sha256.clone(),
+        actual: format!("(not read: the object is {now} bytes, {stored} were stored)"),
+    }
+}
+
+/// Wait for the decompressor of `f` and check what it wrote; `failed` is the
+/// transfer's own error, which wins over what it made the decompressor say.
+async fn finish_file(
+    key: &Key,
+    f: &ImageFile,
+    writer: Writer,
+    failed: Option<RemoteError>,
+) -> Result<()> {
+    let result = writer.await.map_err(|e| RemoteError::Join(e.to_string()))?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let (size, sha) = match result {
+        Ok(r) => r,
+        // Bytes that do not decompress are a corrupt object, not an I/O failure.
+        Err(Decompress::Corrupt(why)) => {
             return Err(RemoteError::Corrupt {
                 key: key.to_string(),
                 file: f.name.clone(),
                 expected: f.sha256.clone(),
-                actual: if size == f.size {
-                    sha
-                } else {
-                    format!("{sha} over {size} bytes, not {}", f.size)
-                },
+                actual: format!("(unreadable: {why})"),
             });
         }
-        Ok(received)
+        Err(Decompress::Local(e)) => return Err(e),
+    };
+    if sha != f.sha256 || size != f.size {
+        return Err(RemoteError::Corrupt {
+            key: key.to_string(),
+            file: f.name.clone(),
+            expected: f.sha256.clone(),
+            actual: if size == f.size {
+                sha
+            } else {
+                format!("{sha} over {size} bytes, not {}", f.size)
+            },
+        });
     }
+    Ok(())
 }
 
 enum Decompress {
@@ -246,5 +360,21 @@ impl Read for ChannelReader {
         let n = out.len().min(self.cur.len());
         out[..n].copy_from_slice(&self.cur.split_to(n));
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_cover_a_blob_in_order_without_gaps() {
+        assert!(ranges(0, 8).is_empty());
+        assert_eq!(ranges(8, 8), vec![0..8]);
+        assert_eq!(ranges(20, 8), vec![0..8, 8..16, 16..20]);
+        let big = ranges(3 * RANGE_BYTES + 1, RANGE_BYTES);
+        assert_eq!(big.len(), 4);
+        assert!(big.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!(big.last().map(|r| r.end - r.start), Some(1));
     }
 }

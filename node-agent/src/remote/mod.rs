@@ -33,7 +33,7 @@ use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, Retry
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-pub use download::DownloadReport;
+pub use download::{DownloadReport, PARALLEL_RANGES, RANGE_BYTES};
 pub use error::RemoteError;
 pub use upload::UploadReport;
 
@@ -134,6 +134,8 @@ pub struct RemoteStore {
     store: Arc<dyn ObjectStore>,
     prefix: String,
     describe: String,
+    /// How many ranges of one blob a download reads at once.
+    ranges_in_flight: usize,
 }
 
 impl fmt::Debug for RemoteStore {
@@ -192,7 +194,15 @@ impl RemoteStore {
             store: Arc::new(store),
             describe: format!("s3 {}/{}/{}", cfg.endpoint, cfg.bucket, prefix),
             prefix,
+            ranges_in_flight: download::PARALLEL_RANGES,
         })
+    }
+
+    /// Read at most `n` ranges of a blob at once (at least 1); the benchmark compares
+    /// [`download::PARALLEL_RANGES`] with one at a time.
+    pub fn with_ranges_in_flight(mut self, n: usize) -> Self {
+        self.ranges_in_flight = n.max(1);
+        self
     }
 
     fn key(&self, rest: &str) -> Key {

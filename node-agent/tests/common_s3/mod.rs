@@ -98,3 +98,18 @@ pub fn meta(id: &str) -> SnapshotMeta {
         source_pause_millis: 1,
     }
 }
+
+/// Flip one bit of the byte at `at` of the object `key`, keeping its length.
+pub async fn flip_byte(remote: &RemoteStore, key: &Key, at: usize) {
+    let mut bytes = remote
+        .object_store()
+        .get(key)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    bytes[at] ^= 0x40;
+    remote.object_store().put(key, bytes.into()).await.unwrap();
+}

@@ -3,7 +3,8 @@
 //! the object store (`RAMIFY_S3_*`, as hack/objectstore/up.sh writes them), against
 //! plain copies of the same bytes in the same run: a local read+write copy (fsync'd,
 //! as a download is), and the raw files put to and got from the same store (no zstd,
-//! no hashing).
+//! no hashing). The download is also timed reading one range at a time, the same
+//! bytes, to show what the parallel ranged reads add.
 
 use std::io::Write;
 use std::path::Path;
@@ -43,6 +44,7 @@ pub async fn run(engine: &Engine, rootfs: &Path, dir: &Path, dirty_mib: u64) -> 
         )?))?),
     };
     let remote = RemoteStore::new(&cfg)?;
+    let one_range = RemoteStore::new(&cfg)?.with_ranges_in_flight(1);
     let mut src = engine
         .start(StartRequest {
             name: "store-src".into(),
@@ -58,7 +60,7 @@ pub async fn run(engine: &Engine, rootfs: &Path, dir: &Path, dirty_mib: u64) -> 
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let snap = engine.snapshot(&mut src, None).await?;
-        measure(engine.store(), &remote, &snap.meta, dir).await
+        measure(engine.store(), &remote, &one_range, &snap.meta, dir).await
     }
     .await;
     let _ = engine.destroy(src).await;
@@ -68,6 +70,7 @@ pub async fn run(engine: &Engine, rootfs: &Path, dir: &Path, dirty_mib: u64) -> 
 async fn measure(
     local: &SnapshotStore,
     remote: &RemoteStore,
+    one_range: &RemoteStore,
     meta: &SnapshotMeta,
     dir: &Path,
 ) -> Result<()> {
@@ -87,6 +90,11 @@ async fn measure(
     let down = remote.download(&other, &meta.sha256).await?;
     let download = t.elapsed();
     other.verify(&meta.id, &meta.runsc_version)?;
+    let serial = SnapshotStore::open(dir.join("downloaded-one-range"))?;
+    let t = Instant::now();
+    one_range.download(&serial, &meta.sha256).await?;
+    let download_one_range = t.elapsed();
+    serial.verify(&meta.id, &meta.runsc_version)?;
 
     // Baselines on the same bytes.
     let copy_dir = dir.join("plain-copy");
@@ -140,6 +148,15 @@ async fn measure(
         "| {:<58} | {:>24} |",
         "ramify download (decompress + sha256, landed, verified)",
         rate(size, download)
+    );
+    println!(
+        "| {:<58} | {:>24} |",
+        format!(
+            "  the same, one {} MiB range at a time (not {})",
+            ramify_node_agent::remote::RANGE_BYTES >> 20,
+            ramify_node_agent::remote::PARALLEL_RANGES
+        ),
+        rate(size, download_one_range)
     );
     println!(
         "| {:<58} | {:>24} |",
