@@ -5,7 +5,8 @@
 //! node); the winner runs on another node than its parent, is shipped back through the
 //! store and committed Full (its memory and files become the parent's); exactly one
 //! winner; every node left clean. A node agent killed and gone for good: its undecided
-//! branches fail (`NodeLost`) and the set commits one of the others, once.
+//! branches fail (`NodeLost`) and the set commits one of the others, once; a winner
+//! whose node agent is lost before it shipped the winner fails its set, parent untouched.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod objectstore;
@@ -30,6 +31,16 @@ fn running(s: &Sandbox) -> bool {
     s.status
         .as_ref()
         .is_some_and(|st| st.phase == SandboxPhase::Running)
+}
+
+/// The counting workspace `ws`, pinned to the test's own node (the freest node would
+/// do as well, and is not the one the test reads it on).
+fn ws_on_home(sys: &System) -> String {
+    format!(
+        "{}  nodeName: {}\n",
+        sys.sandbox_yaml("ws", COUNTER, "100m", "128Mi"),
+        sys.node()
+    )
 }
 
 async fn counter_on(sys: &System, state_dir: &std::path::Path, name: &str) -> u64 {
@@ -92,7 +103,7 @@ async fn a_best_of_twelve_spread_over_three_nodes_commits_one_winner_from_anothe
         "{err}"
     );
 
-    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "100m", "128Mi"));
+    sys.apply(&ws_on_home(&sys));
     let ws = sys.wait_sandbox("ws", "Running", 120, running).await;
     assert_eq!(ws.status.unwrap().node_name.as_deref(), Some(home.as_str()));
     let before = counter_on(&sys, &sys.state_dir, "ws").await;
@@ -281,7 +292,7 @@ async fn node_agents_killed_mid_download_and_mid_cross_node_commit_resume_with_o
     let env = [("RAMIFY_FAULT_DIR", fault_dir_s.as_str())];
     let mut sys = System::start_with("cross-node-faults", &args, &env).await;
     let n1 = sys.add_node().name.clone();
-    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "100m", "128Mi"));
+    sys.apply(&ws_on_home(&sys));
     sys.wait_sandbox("ws", "Running", 120, running).await;
 
     // 1. The other node's agent is SIGKILLed with half the snapshot's image on its
@@ -392,7 +403,7 @@ async fn a_node_agent_gone_for_good_fails_its_branches_and_the_set_commits_witho
     let home = sys.node();
     let n1 = sys.add_node().name.clone();
     let n2 = sys.add_node().name.clone();
-    sys.apply(&sys.sandbox_yaml("ws", COUNTER, "100m", "128Mi"));
+    sys.apply(&ws_on_home(&sys));
     let ws = sys.wait_sandbox("ws", "Running", 120, running).await;
     assert_eq!(ws.status.unwrap().node_name.as_deref(), Some(home.as_str()));
 
@@ -550,6 +561,87 @@ async fn a_node_agent_gone_for_good_fails_its_branches_and_the_set_commits_witho
     node_clean(&sys, &n2_state, &n2).await;
     sys.wait_node_clean(&sys.state_dir, Some(&keep), "the parent's node")
         .await;
+
+    // 2. A decided winner whose node agent is lost before it shipped the winner to its
+    //    parent's node: b1 wins on n2, n2's agent dies once asked to ship it (nothing
+    //    checkpointed). The set fails NodeLost, parent untouched.
+    let fault_dir = std::env::temp_dir().join(format!("ramify-fault-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&fault_dir).unwrap();
+    let n2_index = sys.nodes.iter().position(|n| n.name == n2).unwrap();
+    {
+        let agent = &mut sys.nodes[n2_index].agent;
+        agent.kill().unwrap();
+        agent.set_env("RAMIFY_FAULT_DIR", Some(&fault_dir.to_string_lossy()));
+        agent.set_env("RAMIFY_FAULT_HOLD", Some("ship-asked"));
+        agent.start().unwrap();
+    }
+    sys.apply(&pair("lost-winner"));
+    let marker = fault_dir.join("ship-asked");
+    hold_reached(&sys, &marker, "n2 asked to ship the winner").await;
+    let count_before = counter_on(&sys, &sys.state_dir, "ws").await;
+    sys.nodes[n2_index].agent.kill().unwrap();
+    let killed = Instant::now();
+    let bs = sys
+        .wait_branchset("lost-winner", "ended", 120, |b| {
+            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+        })
+        .await;
+    let after = killed.elapsed();
+    let st = bs.status.unwrap();
+    assert_eq!(
+        st.phase,
+        BranchSetPhase::Failed,
+        "{st:#?}\n{}",
+        sys.diagnostics()
+    );
+    assert_eq!(st.winner.as_deref(), Some("b1"));
+    let ready = {
+        use ramify_crds::ConditionsExt;
+        st.conditions.get_condition("Ready").cloned().unwrap()
+    };
+    assert_eq!(ready.reason, ramify_crds::REASON_NODE_LOST, "{ready:?}");
+    assert!(
+        ready.message.contains("branch b1 won") && ready.message.contains(&n2),
+        "{}",
+        ready.message
+    );
+    eprintln!(
+        "the set failed NodeLost {:.1} s after n2's agent was killed asked to ship its winner",
+        after.as_secs_f64()
+    );
+    sys.event("lost-winner", ramify_crds::REASON_NODE_LOST)
+        .await;
+    let ws = sys.sandboxes().get("ws").await.unwrap();
+    let wst = ws.status.clone().unwrap();
+    assert_eq!(wst.commits, 1, "parent untouched: {wst:#?}");
+    assert_eq!(wst.sandbox_id.as_deref(), Some(keep.as_str()));
+    assert_eq!(
+        sys.exec_on(&sys.state_dir, "ws", "cat /work/winner")
+            .1
+            .trim(),
+        "survivor"
+    );
+    let count_after = counter_on(&sys, &sys.state_dir, "ws").await;
+    assert!(
+        count_after > count_before,
+        "the parent counts on: {count_before} then {count_after}"
+    );
+    // n2's agent, back, destroys what it held of the lost winner.
+    {
+        let agent = &mut sys.nodes[n2_index].agent;
+        agent.set_env("RAMIFY_FAULT_HOLD", None);
+        agent.start().unwrap();
+    }
+    std::fs::remove_file(&marker).ok();
+    sys.wait_branches_gone("lost-winner", 120).await;
+    sys.branchsets()
+        .delete("lost-winner", &DeleteParams::default())
+        .await
+        .unwrap();
+    node_clean(&sys, &n2_state, &n2).await;
+    sys.wait_node_clean(&sys.state_dir, Some(&keep), "the parent's node")
+        .await;
+    std::fs::remove_dir_all(&fault_dir).ok();
 
     // Brought back at last (to leave the machine clean): it removes what it held.
     let n1_state = sys.nodes[n1_index].state_dir.clone();

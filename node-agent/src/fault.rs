@@ -36,6 +36,10 @@ pub const DOWNLOAD_PARTIAL: &str = "download-partial";
 /// not begun.
 pub const SHIPPED_RESTORED: &str = "shipped-restored";
 
+/// A winner's node agent was asked to ship it to its parent's node; nothing of it is
+/// checkpointed yet.
+pub const SHIP_ASKED: &str = "ship-asked";
+
 /// A sandbox's network release (its rules, its IP lease, its netns) fails once,
 /// after the teardown's other steps ran.
 pub const RELEASE_FAILS: &str = "release-fails";

@@ -301,16 +301,17 @@ const NODE_DOWN_REQUEUE: Duration = Duration::from_secs(2);
 
 /// The node agents (through the lease cache), listed only while the set is undecided
 /// and may still spread branches (`spec.placement`) or has branches whose node may be
-/// lost; empty otherwise.
+/// lost, or is committing (its winner's node may be lost before it shipped the
+/// winner); empty otherwise.
 async fn node_agents(
     ctx: &Context,
     bs: &BranchSet,
     branches: &[Sandbox],
 ) -> Result<Vec<crate::nodes::NodeAgent>> {
-    let decided = bs
-        .status
-        .as_ref()
-        .is_some_and(|s| s.winner.is_some() || s.phase.is_ended());
+    let decided = bs.status.as_ref().is_some_and(|s| {
+        (s.winner.is_some() && s.phase != ramify_crds::BranchSetPhase::Committing)
+            || s.phase.is_ended()
+    });
     if decided || (bs.spec.placement.is_none() && branches.is_empty()) {
         return Ok(Vec::new());
     }
@@ -346,24 +347,30 @@ pub fn lost_nodes(
         .collect()
 }
 
-/// When to look again at an undecided set's nodes without an event: every
-/// [`UNDECIDED_REQUEUE`], and every [`NODE_DOWN_REQUEUE`] while a node carrying one of
-/// its undecided branches is not live. `None` once the set is decided.
+/// When to look again at an undecided or committing set's nodes without an event:
+/// every [`UNDECIDED_REQUEUE`], and every [`NODE_DOWN_REQUEUE`] while a node carrying
+/// one of its undecided branches (or, committing, its winner) is not live. `None` once
+/// the set ended, or is decided and not committing.
 pub fn watch_nodes(
     status: &ramify_crds::BranchSetStatus,
     agents: &[crate::nodes::NodeAgent],
 ) -> Option<Duration> {
-    if status.winner.is_some() || status.phase.is_ended() {
+    if status.phase.is_ended() {
+        return None;
+    }
+    let committing = status.phase == ramify_crds::BranchSetPhase::Committing;
+    if status.winner.is_some() && !committing {
         return None;
     }
     let undecided: Vec<&ramify_crds::BranchStatus> = status
         .branches
         .iter()
-        .filter(|b| {
-            matches!(
+        .filter(|b| match &status.winner {
+            Some(w) => committing && &b.name == w,
+            None => matches!(
                 b.phase,
                 BranchPhase::Pending | BranchPhase::Forking | BranchPhase::Running
-            )
+            ),
         })
         .collect();
     if undecided.is_empty() {
@@ -701,7 +708,7 @@ mod tests {
     }
 
     #[test]
-    fn an_undecided_set_looks_at_its_nodes_sooner_while_one_is_down() {
+    fn an_undecided_or_committing_set_looks_at_its_nodes_sooner_while_one_is_down() {
         let with_nodes = |phase: &str| {
             let mut bs = set(phase, &[("a", "Running"), ("b", "Failed")]);
             let st = bs.status.as_mut().unwrap();
@@ -715,7 +722,14 @@ mod tests {
         // n2 carries only an ended branch; n1 carries an undecided one.
         let down = [agent("n1", Some(1)), agent("n2", None)];
         assert_eq!(watch_nodes(&running, &down), Some(NODE_DOWN_REQUEUE));
-        let mut decided = with_nodes("Committing");
+        // Committing: only the winner's node counts (its agent may be lost before it
+        // ships the winner).
+        let mut committing = with_nodes("Committing");
+        committing.winner = Some("a".into());
+        assert_eq!(watch_nodes(&committing, &down), Some(NODE_DOWN_REQUEUE));
+        committing.winner = Some("b".into());
+        assert_eq!(watch_nodes(&committing, &down), Some(UNDECIDED_REQUEUE));
+        let mut decided = with_nodes("Committed");
         decided.winner = Some("a".into());
         assert_eq!(watch_nodes(&decided, &down), None);
         assert_eq!(watch_nodes(&with_nodes("Exhausted"), &down), None);

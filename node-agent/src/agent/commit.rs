@@ -107,6 +107,11 @@ impl Agent {
             let winner_obj = winner_obj.ok_or_else(|| {
                 Error::Invalid(format!("winning branch {winner} is gone before its commit"))
             })?;
+            // Its node agent was lost before it shipped the winner here: the operator
+            // fails the set; nothing of it is applied.
+            if super::sandbox::lost_while_away(&winner_obj).is_some() {
+                return Ok(Action::await_change());
+            }
             let applied = if self.runs_elsewhere(&winner_obj) {
                 // A cross-node winner (spec.placement): shipped here first.
                 match self.commit_shipped(bs, &parent_uid, &winner_obj).await? {

@@ -421,7 +421,7 @@ impl Agent {
 /// [`REASON_NODE_LOST`]: the agent stayed gone past the grace before the branch's
 /// verdict, and its BranchSet went on without it): why the copy held here must end.
 /// It is destroyed without a word (the object already says why), never resurrected.
-fn lost_while_away(obj: &SandboxObj) -> Option<PodGone> {
+pub(super) fn lost_while_away(obj: &SandboxObj) -> Option<PodGone> {
     let st = obj.status.as_ref()?;
     let ready = st.conditions.get_condition(CONDITION_READY)?;
     (st.phase == SandboxPhase::Failed && ready.reason == REASON_NODE_LOST).then(|| PodGone {

@@ -204,6 +204,7 @@ impl Agent {
             .sandbox(uid)?
             .and_then(|r| r.fork_generation)
             .unwrap_or(0);
+        crate::fault::hold(crate::fault::SHIP_ASKED).await;
         let t0 = Instant::now();
         // Decided, so paused: a checkpoint needs it running.
         self.thaw_branch(uid).await?;

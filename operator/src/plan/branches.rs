@@ -172,7 +172,7 @@ pub fn node_lost(b: &BranchStatus) -> bool {
 
 /// The message of a branch Sandbox failed for its lost node (`Ready` reason
 /// [`REASON_NODE_LOST`]), if it was.
-fn sandbox_node_lost(st: &SandboxStatus) -> Option<&str> {
+pub(super) fn sandbox_node_lost(st: &SandboxStatus) -> Option<&str> {
     let ready = st.conditions.get_condition(CONDITION_READY)?;
     (st.phase == SandboxPhase::Failed && ready.reason == REASON_NODE_LOST)
         .then_some(ready.message.as_str())

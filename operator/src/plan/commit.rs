@@ -1,13 +1,17 @@
 //! Observe the commit: the node agent holding the parent applies the winner and
-//! records it on the parent (Committed), or refuses it on the winner (Conflict).
+//! records it on the parent (Committed), or refuses it on the winner (Conflict). A
+//! winner on another node whose agent is lost before it shipped the winner can never be
+//! committed: the set fails (`NodeLost`), parent untouched.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ramify_crds::{
-    BranchPhase, BranchSet, BranchSetPhase, CommitRefusal, REASON_COMMIT_CONFLICT, Sandbox,
+    BranchPhase, BranchSet, BranchSetPhase, CommitRefusal, REASON_COMMIT_CONFLICT,
+    REASON_NODE_LOST, Sandbox,
 };
 
-use super::{Ctx, Note, Plan, READY, finish_cleanup, set};
+use super::branches::sandbox_node_lost;
+use super::{Ctx, LostBranch, Note, Plan, READY, fail, finish_cleanup, set};
 
 /// Committed once the parent records this set's commit; Conflict once the winner
 /// records its refusal; Committing until then.
@@ -49,24 +53,31 @@ pub(super) fn observe_commit(cx: &Ctx<'_>, p: &mut Plan, parent: &Sandbox, winne
             });
             finish_cleanup(cx, p);
         }
-        None => match refused_commit(bs, cx.by_branch.get(winner).copied()) {
-            Some(r) => {
+        None => {
+            if let Some(r) = refused_commit(bs, cx.by_branch.get(winner).copied()) {
                 conflict(p, winner, r, generation, now);
                 finish_cleanup(cx, p);
+                return;
             }
-            None => {
-                p.status.phase = BranchSetPhase::Committing;
-                set(
-                    &mut p.status,
-                    READY,
-                    false,
-                    "Committing",
-                    format!("committing branch {winner}"),
-                    generation,
-                    now,
-                );
+            match winner_lost(cx, parent, winner) {
+                WinnerLost::Failed(why) => {
+                    lost_before_shipped(cx, p, parent, winner, &why);
+                    return;
+                }
+                WinnerLost::ToFail(l) => p.fail_lost.push(l),
+                WinnerLost::No => {}
             }
-        },
+            p.status.phase = BranchSetPhase::Committing;
+            set(
+                &mut p.status,
+                READY,
+                false,
+                "Committing",
+                format!("committing branch {winner}"),
+                generation,
+                now,
+            );
+        }
     }
 }
 
@@ -111,4 +122,76 @@ fn conflict(
         reason: REASON_COMMIT_CONFLICT,
         message,
     });
+}
+
+/// Whether the winner can still be committed, as far as its node goes.
+#[derive(Debug, PartialEq, Eq)]
+enum WinnerLost {
+    /// It can (its node is up, it was shipped, or it runs on its parent's node, whose
+    /// agent holds the commit and finishes it when it returns).
+    No,
+    /// Its node agent is gone past the grace before it shipped the winner: its Sandbox
+    /// is to be failed (`NodeLost`), guarded by the resourceVersion read, so a
+    /// `shipped` report landing first wins and the commit goes on from the store.
+    ToFail(LostBranch),
+    /// Its Sandbox says `NodeLost`: it will never be shipped. Why.
+    Failed(String),
+}
+
+fn winner_lost(cx: &Ctx<'_>, parent: &Sandbox, winner: &str) -> WinnerLost {
+    let Some(sbx) = cx.by_branch.get(winner) else {
+        return WinnerLost::No;
+    };
+    let st = sbx.status.as_ref();
+    if let Some(message) = st.and_then(sandbox_node_lost) {
+        return WinnerLost::Failed(message.to_string());
+    }
+    let node_of = |s: &Sandbox| {
+        s.status
+            .as_ref()
+            .and_then(|st| st.node_name.clone())
+            .or_else(|| s.spec.node_name.clone())
+    };
+    let Some(node) = node_of(sbx) else {
+        return WinnerLost::No;
+    };
+    let uid = cx.bs.metadata.uid.as_deref().unwrap_or_default();
+    let shipped = st
+        .and_then(|s| s.shipped.as_ref())
+        .is_some_and(|s| s.branch_set_uid == uid);
+    if shipped || node_of(parent).as_deref() == Some(node.as_str()) {
+        return WinnerLost::No;
+    }
+    let Some(gone) = cx.obs.lost_nodes.get(&node) else {
+        return WinnerLost::No;
+    };
+    WinnerLost::ToFail(LostBranch {
+        sandbox: sbx.metadata.name.clone().unwrap_or_default(),
+        node: node.clone(),
+        message: format!(
+            "the agent of node {node} has been gone for {}s (its lease ran out) after this \
+             branch won and before it was shipped to its parent's node: it can never be committed",
+            gone.as_secs()
+        ),
+    })
+}
+
+/// The winner's node was lost before it shipped the winner: the set fails, nothing
+/// was applied, every branch goes and no effect is released.
+fn lost_before_shipped(cx: &Ctx<'_>, p: &mut Plan, parent: &Sandbox, winner: &str, why: &str) {
+    if let Some(b) = p.status.branches.iter_mut().find(|b| b.name == winner) {
+        b.phase = BranchPhase::Failed;
+        b.reason = format!("{REASON_NODE_LOST}: {why}");
+    }
+    let parent_name = parent.metadata.name.clone().unwrap_or_default();
+    fail(
+        p,
+        REASON_NODE_LOST,
+        format!(
+            "branch {winner} won, but {why}; nothing was applied, parent {parent_name} untouched"
+        ),
+        cx.generation,
+        cx.now,
+    );
+    finish_cleanup(cx, p);
 }

@@ -58,7 +58,9 @@ pub struct Observed<'a> {
     /// `spec.placement`; empty otherwise).
     pub nodes: &'a [String],
     /// The nodes whose agent has been gone past the branch grace, with how long (read
-    /// only while the set is undecided; empty otherwise): their undecided branches fail.
+    /// only while the set is undecided or committing; empty otherwise): their undecided
+    /// branches fail, and so does a winner on another node than its parent's that was
+    /// not shipped yet.
     pub lost_nodes: &'a BTreeMap<String, Duration>,
     /// The operator runs in cluster mode (Pods placed by the scheduler).
     pub cluster_mode: bool,

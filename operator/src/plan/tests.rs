@@ -748,6 +748,111 @@ fn a_sandbox_failed_for_its_lost_node_fails_its_branch_and_decided_branches_stay
         phase_of(&p, "b"),
         (BranchPhase::Failed, "NodeLost: gone".into())
     );
-    assert!(p.fail_lost.is_empty(), "{:?}", p.fail_lost);
     assert_eq!(p.status.winner.as_deref(), Some("c"));
+    // b is not written again; c won on n2, away from its parent, and n2 is lost before
+    // c was shipped: c's Sandbox is to be failed (the set fails once it says so).
+    let failed: Vec<_> = p.fail_lost.iter().map(|l| l.sandbox.as_str()).collect();
+    assert_eq!(failed, ["bs-c"]);
+}
+
+/// Branch `a` on n2 won (parent on n1); the set is Committing.
+fn committing_on_n2() -> (BranchSet, Sandbox) {
+    let mut bs = three();
+    let a = on(
+        "n2",
+        branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 5))),
+    );
+    let p = run_lost(&bs, std::slice::from_ref(&a), &parent(), &[], 6);
+    assert_eq!(p.status.winner.as_deref(), Some("a"));
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+    advance(&mut bs, &p);
+    (bs, a)
+}
+
+#[test]
+fn a_winner_whose_node_is_lost_before_it_was_shipped_fails_the_set_parent_untouched() {
+    let (mut bs, a) = committing_on_n2();
+    // n2's agent is gone past the grace, the winner not shipped: its Sandbox is to be
+    // failed (guarded by its resourceVersion); the set still says Committing.
+    let p = run_lost(&bs, std::slice::from_ref(&a), &parent(), &[("n2", 9)], 20);
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+    assert_eq!(p.fail_lost.len(), 1, "{:?}", p.fail_lost);
+    let l = &p.fail_lost[0];
+    assert_eq!((l.sandbox.as_str(), l.node.as_str()), ("bs-a", "n2"));
+    assert!(
+        l.message.contains("node n2") && l.message.contains("9s"),
+        "{}",
+        l.message
+    );
+    advance(&mut bs, &p);
+
+    // Its Sandbox says NodeLost: the set fails, the winner with it, every branch goes.
+    let lost = told_lost(a, "the agent of node n2 has been gone for 9s");
+    let p = run_lost(
+        &bs,
+        std::slice::from_ref(&lost),
+        &parent(),
+        &[("n2", 11)],
+        22,
+    );
+    assert_eq!(p.status.phase, BranchSetPhase::Failed);
+    assert_eq!(
+        p.status.winner.as_deref(),
+        Some("a"),
+        "the winner never changes"
+    );
+    let ready = p.status.conditions.get_condition(READY).unwrap();
+    assert_eq!(ready.reason, ramify_crds::REASON_NODE_LOST);
+    assert!(
+        ready.message.contains("branch a won")
+            && ready.message.contains("node n2")
+            && ready.message.contains("parent parent untouched"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(phase_of(&p, "a").0, BranchPhase::Failed);
+    assert_eq!(p.delete_branches, ["bs-a"]);
+    assert!(p.fail_lost.is_empty());
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.warning && n.reason == ramify_crds::REASON_NODE_LOST)
+    );
+    assert!(p.status.completed_at.is_some());
+}
+
+#[test]
+fn a_winner_shipped_or_on_its_parents_node_waits_for_its_commit_when_its_node_is_lost() {
+    let (bs, a) = committing_on_n2();
+    let shipped_for = |uid: &str| {
+        let mut s = a.clone();
+        s.status.as_mut().unwrap().shipped = Some(ramify_crds::ShippedWinner {
+            branch_set_uid: uid.into(),
+            node: "n2".into(),
+            ..Default::default()
+        });
+        s
+    };
+    // Shipped: the parent's node commits it from the store, whatever n2 does now.
+    let p = run_lost(&bs, &[shipped_for("uid-1")], &parent(), &[("n2", 9)], 20);
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+    assert!(p.fail_lost.is_empty(), "{:?}", p.fail_lost);
+    // Shipped for another set: not for this one.
+    let p = run_lost(
+        &bs,
+        &[shipped_for("uid-other")],
+        &parent(),
+        &[("n2", 9)],
+        20,
+    );
+    assert_eq!(p.fail_lost.len(), 1, "{:?}", p.fail_lost);
+    // On its parent's node: that agent holds the commit and finishes it on its return.
+    let (bs1, _) = committing_on_n2();
+    let local = on(
+        "n1",
+        branch("a", SandboxPhase::Running, Some((VerdictValue::Commit, 5))),
+    );
+    let p = run_lost(&bs1, &[local], &parent(), &[("n1", 9)], 20);
+    assert_eq!(p.status.phase, BranchSetPhase::Committing);
+    assert!(p.fail_lost.is_empty(), "{:?}", p.fail_lost);
 }
