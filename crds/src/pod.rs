@@ -109,6 +109,20 @@ pub const POD_CONSOLE_FILE: &str = "console.log";
 /// Written once (atomically) by the node agent when the sandbox has ended: its exit
 /// code in decimal, with which `ramify-pod` exits.
 pub const POD_EXIT_FILE: &str = "exit";
+/// Written by the node agent into the volume of a Pod being evicted whose workspace it
+/// moves (checkpoints it, to resume in a new Pod): `ramify-pod`, told to stop, then
+/// waits for [`POD_EXIT_FILE`] instead of exiting at once.
+pub const POD_MOVING_FILE: &str = "moving";
+/// `ramify-pod`'s flag (a workspace's Pod, never a branch's): told to stop, it looks
+/// for [`POD_MOVING_FILE`] for up to [`POD_MOVE_LINGER_MILLIS`] and, if the workspace
+/// is moving, waits for its exit file (bounded by the Pod's grace period).
+pub const POD_ARG_MOVE_WAIT: &str = "--move-wait";
+/// How long `ramify-pod --move-wait`, told to stop, looks for [`POD_MOVING_FILE`]: the
+/// node agent writes it as soon as its Pod watch shows the eviction.
+pub const POD_MOVE_LINGER_MILLIS: u64 = 2000;
+/// A workspace Pod's `terminationGracePeriodSeconds`: it bounds how long a moving
+/// workspace's checkpoint (and upload to the object store) may take.
+pub const POD_TERMINATION_GRACE_SECONDS: i64 = 120;
 /// The user `ramify-pod` runs as (no root, restricted Pod Security).
 pub const POD_RUN_AS_USER: i64 = 65532;
 
@@ -180,8 +194,8 @@ pub const REASON_POD_REFUSED: &str = "PodRefused";
 pub const REASON_WAITING_FOR_POD: &str = "WaitingForPod";
 /// The sandbox ended because its Pod was deleted.
 pub const REASON_POD_DELETED: &str = "PodDeleted";
-/// The sandbox ended because its Pod was evicted (the kubelet's or the API's eviction,
-/// a drain).
+/// The sandbox's Pod was evicted (the kubelet's or the API's eviction, a drain): a
+/// workspace is moved to a new Pod (Suspended meanwhile); a branch ends.
 pub const REASON_POD_EVICTED: &str = "PodEvicted";
 /// Event reason on a parent whose sandbox, after a `Full` commit, runs in the winner's
 /// Pod: that Pod was handed to it (relabelled, re-owned) and its old Pod deleted.

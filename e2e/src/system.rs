@@ -147,17 +147,29 @@ impl System {
         node: &crate::node::RealNode,
         pod_image: &str,
     ) -> System {
+        Self::start_cluster_mode_with(name, node, pod_image, &[]).await
+    }
+
+    /// [`System::start_cluster_mode`] with more node agent flags (an object store).
+    pub async fn start_cluster_mode_with(
+        name: &str,
+        node: &crate::node::RealNode,
+        pod_image: &str,
+        agent_args: &[&str],
+    ) -> System {
         let kubelet_root = node.dir.join("kubelet").to_string_lossy().into_owned();
+        let mut args = vec![
+            "--mode",
+            "cluster",
+            "--kubelet-root-dir",
+            &kubelet_root,
+            "--insecure-registry",
+            "loopback",
+        ];
+        args.extend_from_slice(agent_args);
         Self::start_configured(
             name,
-            &[
-                "--mode",
-                "cluster",
-                "--kubelet-root-dir",
-                &kubelet_root,
-                "--insecure-registry",
-                "loopback",
-            ],
+            &args,
             &[],
             &["--mode", "cluster", "--pod-image", pod_image],
             Some(&node.name),

@@ -9,6 +9,8 @@
 //! lock like the other real-node tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod objectstore;
+
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -39,6 +41,11 @@ struct Bed {
 }
 
 async fn bed(name: &str) -> Bed {
+    bed_with(name, &[]).await
+}
+
+/// [`bed`] with more node agent flags (an object store).
+async fn bed_with(name: &str, agent_args: &[&str]) -> Bed {
     let reg = Registry::shared().unwrap();
     let pod_image = reg.ramify_pod_image("e2e-cluster").unwrap();
     let busybox = reg.image("busybox:1").unwrap().by_digest();
@@ -51,7 +58,7 @@ async fn bed(name: &str) -> Bed {
         "cluster: node Ready {:.1}s after up.sh",
         node.ready_after.as_secs_f64()
     );
-    let sys = System::start_cluster_mode(name, &node, &pod_image).await;
+    let sys = System::start_cluster_mode_with(name, &node, &pod_image, agent_args).await;
     Bed {
         sys,
         node,
@@ -185,6 +192,72 @@ spec:
         }
     }
 
+    /// The count of a [`COUNTER`] sandbox, read in it.
+    async fn count(&self, name: &str) -> u64 {
+        self.sys
+            .number_on(&self.sys.state_dir, name, "/home/app/count")
+            .await
+    }
+
+    /// The UID of the Pod the Sandbox's status names.
+    async fn pod_uid(&self, name: &str) -> String {
+        let sbx = self.sys.sandboxes().get(name).await.unwrap();
+        sbx.status
+            .and_then(|s| s.pod)
+            .map(|p| p.uid)
+            .unwrap_or_default()
+    }
+
+    /// Waits until `name` runs again in a Pod other than `old_pod` (it moved).
+    async fn running_in_new_pod(&self, name: &str, old_pod: &str, secs: u64) -> Sandbox {
+        let old = old_pod.to_string();
+        let s = self
+            .sys
+            .wait_sandbox(name, "Running in a new Pod", secs, move |s| {
+                s.status.as_ref().is_some_and(|st| {
+                    matches!(st.phase, SandboxPhase::Failed | SandboxPhase::Succeeded)
+                        || (st.phase == SandboxPhase::Running
+                            && st.pod.as_ref().is_some_and(|p| p.uid != old))
+                })
+            })
+            .await;
+        assert_eq!(
+            s.status.as_ref().map(|st| st.phase),
+            Some(SandboxPhase::Running),
+            "{name}: {:#?}\n{}",
+            s.status,
+            self.sys.diagnostics()
+        );
+        s
+    }
+
+    /// Evicts `name`'s Pod and follows its workspace to its new Pod: Suspended
+    /// (`PodEvicted`, checkpointed), then Running in a new Pod, counting on.
+    async fn evict_and_follow(&self, name: &str) -> Moved {
+        let before = self.count(name).await;
+        let old_pod = self.pod_uid(name).await;
+        let t0 = Instant::now();
+        self.pods()
+            .evict(name, &EvictParams::default())
+            .await
+            .unwrap();
+        let msg = self.reason(name, CONDITION_READY, REASON_POD_EVICTED).await;
+        assert!(
+            msg.contains("checkpointed with its processes, memory and files"),
+            "{msg}"
+        );
+        let s = self.running_in_new_pod(name, &old_pod, 180).await;
+        let took = t0.elapsed();
+        let after = self.count(name).await;
+        Moved {
+            before,
+            after,
+            took,
+            message: msg,
+            sandbox: s,
+        }
+    }
+
     async fn teardown(mut self) {
         let ns = self.sys.ns.name.clone();
         self.sys.teardown_and_check_clean().await;
@@ -201,6 +274,22 @@ spec:
 
 /// The directories of a Pod's cgroup (cgroupfs driver: `kubepods[/qos]/pod<uid>`) in the
 /// memory hierarchy.
+/// Counts in a shell variable (memory) and mirrors it to a file: after a move it goes
+/// on from where it was; a fresh start would count from 1 again.
+const COUNTER: &str = "i=0; while true; do i=$((i+1)); echo $i > /home/app/count; sleep 0.1; done";
+
+/// A workspace followed through a move.
+struct Moved {
+    /// Its count before the eviction and once it ran again.
+    before: u64,
+    after: u64,
+    /// From the eviction to Running in the new Pod.
+    took: Duration,
+    /// What its `Ready` condition said while it moved.
+    message: String,
+    sandbox: Sandbox,
+}
+
 fn pod_memory_cgroup(uid: &str) -> Option<PathBuf> {
     let root = cgroup_roots()
         .into_iter()
@@ -484,8 +573,9 @@ fn curl_nc(ip: &str) -> Option<String> {
 /// The scheduler and the API server decide for sandboxes as for Pods: a ResourceQuota
 /// for two Pods keeps the third sandbox Pending with the quota's message until room is
 /// freed, a node selector no node matches keeps one Pending with the scheduler's
-/// message, a deleted or evicted Pod ends its sandbox, saying which, and `kubectl
-/// drain` ends the node's sandboxes leaving nothing of them behind.
+/// message, a deleted Pod ends its sandbox, saying so, an evicted workspace moves to a
+/// new Pod with its memory, and `kubectl drain` moves the node's workspaces out (they
+/// wait, nothing of them running, until `kubectl uncordon`).
 #[tokio::test]
 async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
     let _one_node = RealNode::exclusive().await;
@@ -495,10 +585,10 @@ async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
     );
     let forever = "while true; do sleep 1; done";
     for name in ["a", "b"] {
-        bed.sys.apply(&bed.sandbox(name, forever, ""));
+        bed.sys.apply(&bed.sandbox(name, COUNTER, ""));
         bed.phase(name, SandboxPhase::Running, 300).await;
     }
-    bed.sys.apply(&bed.sandbox("c", forever, ""));
+    bed.sys.apply(&bed.sandbox("c", COUNTER, ""));
     let msg = bed
         .reason("c", CONDITION_SCHEDULED, REASON_POD_REFUSED)
         .await;
@@ -522,37 +612,48 @@ async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
     assert!(msg.contains("deleted"), "{msg}");
     let a = bed.phase("a", SandboxPhase::Failed, 60).await;
     assert!(a.status.unwrap().sandbox_id.is_some());
-    // Either c or nowhere takes the freed place; whichever is created while the other
-    // waits for quota. Evict b so both have room.
-    bed.pods()
-        .evict("b", &EvictParams::default())
-        .await
-        .unwrap();
-    let msg = bed.reason("b", CONDITION_READY, REASON_POD_EVICTED).await;
-    assert!(msg.to_lowercase().contains("evict"), "{msg}");
-    bed.phase("b", SandboxPhase::Failed, 60).await;
-
+    // The quota did its part: without it c starts, and nowhere waits for a node its
+    // selector matches.
+    bed.kubectl_ok(&["delete", "resourcequota", "two-pods"]);
     let msg = bed
         .reason("nowhere", CONDITION_SCHEDULED, REASON_UNSCHEDULABLE)
         .await;
     assert!(msg.contains("node affinity/selector"), "{msg}");
     bed.phase("c", SandboxPhase::Running, 300).await;
     assert_eq!(bed.current_phase("nowhere").await, SandboxPhase::Pending);
-    // Nothing of a or b runs: their Pods are gone, their sandboxes destroyed.
+    // Nothing of a runs: its Pod is gone, its sandbox destroyed.
     let pods = bed.pods().list(&ListParams::default()).await.unwrap();
     let names: Vec<_> = pods
         .items
         .iter()
         .filter_map(|p| p.metadata.name.clone())
         .collect();
-    assert!(
-        !names.contains(&"a".into()) && !names.contains(&"b".into()),
-        "{names:?}"
-    );
+    assert!(!names.contains(&"a".into()), "{names:?}");
 
-    // `kubectl drain` evicts the sandbox's Pod like any other (its controller is the
-    // Sandbox, so no --force; its emptyDir needs --delete-emptydir-data): the sandbox
-    // ends saying so, and nothing of it stays on the node.
+    // An evicted workspace moves: checkpointed out of its Pod, resumed in a new one
+    // with its processes and memory (its count goes on; a fresh start counts from 1).
+    let m = bed.evict_and_follow("b").await;
+    assert!(
+        m.after > m.before,
+        "b counted {} before its eviction and {} after: {}",
+        m.before,
+        m.after,
+        m.message
+    );
+    assert!(m.message.contains("holds the image"), "{}", m.message);
+    eprintln!(
+        "evicted b moved to a new Pod in {:.1} s, counting on ({} -> {})",
+        m.took.as_secs_f64(),
+        m.before,
+        m.after
+    );
+    bed.sys.event("b", ramify_crds::REASON_MOVED).await;
+    let b_id = m.sandbox.status.unwrap().sandbox_id.unwrap();
+
+    // `kubectl drain` evicts the node's sandbox Pods like any other (their controller
+    // is the Sandbox, so no --force; their emptyDir needs --delete-emptydir-data): both
+    // workspaces move out, and with the node cordoned their new Pods wait, pinned to the
+    // node holding their images, with nothing of them running.
     let c_id = bed
         .sys
         .sandboxes()
@@ -562,6 +663,8 @@ async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
         .status
         .and_then(|s| s.sandbox_id)
         .expect("c's sandbox id");
+    let counts = [bed.count("b").await, bed.count("c").await];
+    let pods_before = [bed.pod_uid("b").await, bed.pod_uid("c").await];
     let drain = bed
         .sys
         .cp
@@ -581,12 +684,21 @@ async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
         "kubectl drain: {}{}",
         drain.stdout, drain.stderr
     );
-    let msg = bed.reason("c", CONDITION_READY, REASON_POD_EVICTED).await;
-    assert!(msg.to_lowercase().contains("evict"), "{msg}");
-    bed.phase("c", SandboxPhase::Failed, 60).await;
-    bed.until("nothing of the drained sandbox runs", 60, async || {
-        let ps = Command::new("pgrep").args(["-f", &c_id]).output().unwrap();
-        ps.stdout.is_empty() && ramify_cgroups_under_kubepods().is_empty()
+    for name in ["b", "c"] {
+        let msg = bed
+            .reason(name, CONDITION_SCHEDULED, REASON_UNSCHEDULABLE)
+            .await;
+        assert!(
+            msg.contains("unschedulable") || msg.contains("node"),
+            "{msg}"
+        );
+        assert_eq!(bed.current_phase(name).await, SandboxPhase::Suspended);
+    }
+    bed.until("nothing of the drained workspaces runs", 60, async || {
+        [&b_id, &c_id].iter().all(|id| {
+            let ps = Command::new("pgrep").args(["-f", id]).output().unwrap();
+            ps.stdout.is_empty()
+        }) && ramify_cgroups_under_kubepods().is_empty()
     })
     .await;
     let uncordon = bed
@@ -595,6 +707,58 @@ async fn quotas_selectors_deletion_eviction_and_drain_act_on_sandboxes() {
         .kubectl_run(&["uncordon", &bed.node.name], None)
         .unwrap();
     assert!(uncordon.success, "{}", uncordon.stderr);
+    for (i, name) in ["b", "c"].into_iter().enumerate() {
+        bed.running_in_new_pod(name, &pods_before[i], 300).await;
+        let now = bed.count(name).await;
+        assert!(
+            now > counts[i],
+            "{name} counted {} before the drain and {now} after",
+            counts[i]
+        );
+    }
+    bed.teardown().await;
+}
+
+/// With an object store, an evicted workspace's image goes through it: uploaded before
+/// its old Pod ends (no copy is kept on the node), downloaded and verified where its
+/// new Pod runs, and dropped from the store once it runs again.
+#[tokio::test]
+async fn an_evicted_workspace_moves_through_the_object_store() {
+    let _one_node = RealNode::exclusive().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let bed = bed_with("cluster-move-store", &args).await;
+    bed.sys.apply(&bed.sandbox("ws", COUNTER, ""));
+    bed.phase("ws", SandboxPhase::Running, 300).await;
+    bed.until("ws counts", 60, async || bed.count("ws").await > 5)
+        .await;
+    let m = bed.evict_and_follow("ws").await;
+    assert!(
+        m.message.contains("a copy is in the object store"),
+        "{}",
+        m.message
+    );
+    assert!(m.after > m.before, "{} then {}", m.before, m.after);
+    let downloaded = bed.sys.event("ws", "Downloaded").await;
+    assert!(
+        downloaded
+            .note
+            .as_deref()
+            .is_some_and(|n| n.contains("verified")),
+        "{downloaded:?}"
+    );
+    eprintln!(
+        "evicted ws moved through the object store in {:.1} s ({} -> {})",
+        m.took.as_secs_f64(),
+        m.before,
+        m.after
+    );
+    let client = store.client();
+    bed.until("the store's copy dropped once it runs", 60, async || {
+        client.list_images().await.unwrap().is_empty()
+    })
+    .await;
     bed.teardown().await;
 }
 

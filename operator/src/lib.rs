@@ -17,6 +17,7 @@ pub mod moves;
 pub mod nodes;
 pub mod plan;
 pub mod pod;
+pub mod repod;
 pub mod sandbox;
 pub mod self_fork;
 pub mod snapshot;

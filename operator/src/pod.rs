@@ -14,8 +14,8 @@ use kube::ResourceExt;
 use ramify_crds::capacity::Requests;
 use ramify_crds::pod::{
     ANNOTATION_POD_TEMPLATE, LABEL_MANAGED_BY, LABEL_SANDBOX, LABEL_SANDBOX_UID, LABEL_WARM_POOL,
-    MANAGED_BY_RAMIFY, POD_CONTAINER, POD_MOUNT, POD_RUN_AS_USER, POD_VOLUME, PodSettings,
-    pod_name, warm_pod_name,
+    MANAGED_BY_RAMIFY, POD_ARG_MOVE_WAIT, POD_CONTAINER, POD_MOUNT, POD_RUN_AS_USER,
+    POD_TERMINATION_GRACE_SECONDS, POD_VOLUME, PodSettings, pod_name, warm_pod_name,
 };
 use ramify_crds::{PodRef, Sandbox, Snapshot};
 
@@ -23,7 +23,9 @@ use crate::error::{Error, Result};
 
 /// A label value's longest.
 const LABEL_VALUE_MAX: usize = 63;
-/// The kubelet's grace between SIGTERM and SIGKILL: `ramify-pod` ends at once.
+/// The kubelet's grace between SIGTERM and SIGKILL for a branch's (or a warm pool's)
+/// Pod: `ramify-pod` ends at once. A workspace's Pod has
+/// [`POD_TERMINATION_GRACE_SECONDS`].
 const TERMINATION_GRACE_SECONDS: i64 = 10;
 
 /// The Pod of `sbx`: its name, namespace and requests, `image` (`ramify-pod`) as its
@@ -40,7 +42,31 @@ pub fn build(sbx: &Sandbox, image: &str, node: Option<&str>) -> Result<Pod> {
         owner_references: Some(vec![controller(sbx)?]),
         ..Default::default()
     };
-    Ok(assemble(meta, settings, sbx.spec.requests(), image, node))
+    let mut pod = assemble(meta, settings, sbx.spec.requests(), image, node);
+    let branch = sbx
+        .spec
+        .restore_from
+        .as_ref()
+        .is_some_and(|r| r.branch.is_some());
+    if !branch {
+        movable(&mut pod);
+    }
+    Ok(pod)
+}
+
+/// A workspace's Pod (not a branch's, which ends with its Pod): evicted, its sandbox
+/// is checkpointed and moved to a new Pod, and `ramify-pod` waits for that (the node
+/// agent's `moving` file, then its exit file) within a grace long enough for it.
+fn movable(pod: &mut Pod) {
+    let Some(spec) = pod.spec.as_mut() else {
+        return;
+    };
+    spec.termination_grace_period_seconds = Some(POD_TERMINATION_GRACE_SECONDS);
+    for c in &mut spec.containers {
+        c.args
+            .get_or_insert_with(Vec::new)
+            .push(POD_ARG_MOVE_WAIT.into());
+    }
 }
 
 /// The `n`th warm pool Pod of `snap` (on `node`, its node): the Pod a branch of its
@@ -356,12 +382,13 @@ mod tests {
         assert_eq!(s["restartPolicy"], "Never");
         assert_eq!(s["automountServiceAccountToken"], false);
         assert_eq!(s["enableServiceLinks"], false);
-        assert_eq!(s["terminationGracePeriodSeconds"], 10);
+        // A workspace moves when evicted: ramify-pod waits for that, within 120 s.
+        assert_eq!(s["terminationGracePeriodSeconds"], 120);
         assert!(s.get("affinity").is_none() && s.get("nodeSelector").is_none());
         let c = &s["containers"][0];
         assert_eq!(c["name"], "sandbox");
         assert_eq!(c["image"], "reg/ramify/pod@sha256:ab");
-        assert_eq!(c["args"], json!(["--dir", "/ramify"]));
+        assert_eq!(c["args"], json!(["--dir", "/ramify", "--move-wait"]));
         assert_eq!(
             c["volumeMounts"],
             json!([{"name": "ramify", "mountPath": "/ramify"}])
@@ -370,6 +397,19 @@ mod tests {
         // The same accounting as standalone capacity: 250m / 256Mi by default.
         let want = json!({"cpu": "250m", "memory": "256Mi"});
         assert_eq!(c["resources"], json!({"requests": want, "limits": want}));
+    }
+
+    #[test]
+    fn a_branchs_pod_ends_with_it_and_never_waits_for_a_move() {
+        let b = sandbox(
+            json!({"restoreFrom": {"snapshot": "snap", "branch": {"branchSet": "bs", "name": "b0", "index": 0}}}),
+        );
+        let p = wire(&build(&b, "i", Some("n1")).unwrap());
+        assert_eq!(p["spec"]["terminationGracePeriodSeconds"], 10);
+        assert_eq!(
+            p["spec"]["containers"][0]["args"],
+            json!(["--dir", "/ramify"])
+        );
     }
 
     #[test]
@@ -493,6 +533,12 @@ mod tests {
         );
         assert!(in_pool_of(&pod, "snap-uid"));
         assert!(!in_pool_of(&pod, "other"));
+        // Pool Pods become branches: they never wait for a move.
+        assert_eq!(p["spec"]["terminationGracePeriodSeconds"], 10);
+        assert_eq!(
+            p["spec"]["containers"][0]["args"],
+            json!(["--dir", "/ramify"])
+        );
         // A branch of the source hashes as the pool Pod was built; another size not.
         let mut branch = source.clone();
         branch.spec.pod = source.spec.pod.as_ref().map(PodSettings::for_branch);

@@ -75,6 +75,13 @@ async fn reconcile_sandbox(sbx: &Sandbox, ctx: &Context) -> Result<Action> {
             if crate::handover::reconcile(sbx, ctx).await? {
                 return Ok(Action::await_change()); // its status changed: seen again
             }
+            // A workspace moved out of its evicted Pod: a new Pod, once the old is gone.
+            if let Some(action) = crate::repod::reconcile(sbx, &api, ctx).await? {
+                return Ok(action);
+            }
+            if crate::repod::needs_pod(sbx) {
+                return bind_to_pod(sbx, &api, ctx, crate::repod::pinned(sbx)).await;
+            }
             refresh_pod(sbx, &api, ctx).await?;
         } else if let Some(action) = crate::moves::reconcile(sbx, &api, ctx).await? {
             // Suspended and asked to resume: moved, or looked at while it waits.
@@ -318,6 +325,15 @@ async fn unschedulable(
         Time(Timestamp::now()),
     );
     let mut status = json!({"conditions": conditions.iter().filter(|c| c.type_ == CONDITION_SCHEDULED).collect::<Vec<_>>()});
+    // A bound sandbox waiting for a new Pod (it moved out of an evicted one) keeps its
+    // node: the fields of this manager left out of an apply are given up.
+    let st = sbx.status.clone().unwrap_or_default();
+    if let Some(node) = &st.node_name {
+        status["nodeName"] = json!(node);
+    }
+    if let Some(pod) = &st.pod {
+        status["pod"] = json!(pod);
+    }
     if fatal {
         status["phase"] = json!(SandboxPhase::Failed);
     }
@@ -369,8 +385,11 @@ async fn bind_to_pod(
     ctx.cache.pods_synced().await?;
     // Its own Pod; else one it adopted earlier; else a warm pool Pod to adopt; else a
     // new one.
+    // A workspace moving to a new Pod never takes an old or a pool Pod.
+    let moving = crate::repod::needs_pod(sbx);
     let found = match ctx.cache.pod(&ns, &name) {
         Some(pod) => Some(pod),
+        None if moving => None,
         None => match crate::warm_pods::adopted_before(sbx, ctx) {
             Some(pod) => Some(pod),
             None => crate::warm_pods::adopt(sbx, ctx, pinned.as_deref()).await?,

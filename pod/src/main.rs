@@ -1,9 +1,16 @@
-//! `ramify-pod [--dir /ramify]`: the one container of a Sandbox's Pod in cluster mode
-//! (see `ramify_crds::pod`). It follows the sandbox's console, which the node agent
-//! appends to `<dir>/console.log` (like `tail -F`: the file may not exist yet), onto its
-//! own stdout, so `kubectl logs` shows it; when the agent has written `<dir>/exit`, it
-//! copies what is left of the console and exits with that code, so the Pod's phase
-//! follows the sandbox's. SIGTERM and SIGINT end it at once (143, 130).
+//! `ramify-pod [--dir /ramify] [--move-wait]`: the one container of a Sandbox's Pod in
+//! cluster mode (see `ramify_crds::pod`). It follows the sandbox's console, which the
+//! node agent appends to `<dir>/console.log` (like `tail -F`: the file may not exist
+//! yet), onto its own stdout, so `kubectl logs` shows it; when the agent has written
+//! `<dir>/exit`, it copies what is left of the console and exits with that code, so the
+//! Pod's phase follows the sandbox's. SIGTERM and SIGINT end it at once (143, 130).
+//!
+//! With `--move-wait` (a workspace's Pod), told to stop it first looks for
+//! `<dir>/moving` for up to 2 s: the node agent writes it when the Pod is evicted and it
+//! moves the workspace (checkpoints it, to resume in a new Pod). Then it waits for the
+//! exit file, which the agent writes once the checkpoint is taken: the sandbox lives in
+//! this Pod's cgroup and network namespace until then. The Pod's grace period bounds
+//! the wait.
 //!
 //! The Pod must not end before its sandbox does: a console that cannot be read is said
 //! on stderr and looked at again, never fatal.
@@ -14,14 +21,17 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ramify_crds::pod::{POD_CONSOLE_FILE, POD_EXIT_FILE, POD_MOUNT};
+use ramify_crds::pod::{
+    POD_ARG_MOVE_WAIT, POD_CONSOLE_FILE, POD_EXIT_FILE, POD_MOUNT, POD_MOVE_LINGER_MILLIS,
+    POD_MOVING_FILE,
+};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// How often the console and the exit file are looked at.
 const POLL: Duration = Duration::from_millis(100);
 /// Exit code of an exit file that does not hold one.
 const BAD_EXIT_FILE: u8 = 1;
-const USAGE: &str = "usage: ramify-pod [--dir DIR]   (default DIR: /ramify)";
+const USAGE: &str = "usage: ramify-pod [--dir DIR] [--move-wait]   (default DIR: /ramify)";
 
 /// Follows one append-only file from where it last stopped.
 struct Follower {
@@ -139,26 +149,36 @@ impl Watch {
     }
 }
 
-/// `--dir DIR` or `--dir=DIR`; nothing else.
-fn parse_args(args: impl IntoIterator<Item = String>) -> Result<PathBuf, String> {
+/// What the command line asks.
+#[derive(Debug, PartialEq, Eq)]
+struct Args {
+    dir: PathBuf,
+    move_wait: bool,
+}
+
+/// `--dir DIR` or `--dir=DIR`, and `--move-wait`; nothing else.
+fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
     let mut dir = PathBuf::from(POD_MOUNT);
+    let mut move_wait = false;
     let mut args = args.into_iter();
     while let Some(a) = args.next() {
         if a == "--dir" {
             dir = args.next().ok_or("--dir needs a value")?.into();
         } else if let Some(v) = a.strip_prefix("--dir=") {
             dir = v.into();
+        } else if a == POD_ARG_MOVE_WAIT {
+            move_wait = true;
         } else {
             return Err(format!("unexpected argument {a:?}"));
         }
     }
-    Ok(dir)
+    Ok(Args { dir, move_wait })
 }
 
-async fn follow(dir: &Path) -> io::Result<u8> {
+async fn follow(args: &Args) -> io::Result<u8> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut watch = Watch::new(dir);
+    let mut watch = Watch::new(&args.dir);
     let (mut out, mut err) = (io::stdout(), io::stderr());
     loop {
         if let Look::Exited(code) = watch.look(&mut out.lock(), &mut err) {
@@ -172,14 +192,53 @@ async fn follow(dir: &Path) -> io::Result<u8> {
         if let Some(code) = signalled {
             // What the console has now, then at once: the kubelet is stopping the Pod.
             watch.copy(&mut out, &mut err);
-            return Ok(code);
+            if !args.move_wait {
+                return Ok(code);
+            }
+            let linger = Duration::from_millis(POD_MOVE_LINGER_MILLIS);
+            return Ok(
+                exit_after_stop(&mut watch, &args.dir, code, linger, &mut out, &mut err).await,
+            );
         }
     }
 }
 
+/// Told to stop (`signalled`: the code to exit with): a sandbox that moves (the node
+/// agent wrote [`POD_MOVING_FILE`] within `linger`) is waited for until its exit file
+/// says it left this Pod; otherwise the Pod ends at once.
+async fn exit_after_stop(
+    watch: &mut Watch,
+    dir: &Path,
+    signalled: u8,
+    linger: Duration,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> u8 {
+    let moving = dir.join(POD_MOVING_FILE);
+    let until = tokio::time::Instant::now() + linger;
+    let mut said = false;
+    loop {
+        if let Look::Exited(code) = watch.look(out, err) {
+            return code;
+        }
+        if moving.exists() {
+            if !said {
+                let _ = writeln!(
+                    err,
+                    "ramify-pod: the sandbox is moving to a new Pod: waiting for its checkpoint"
+                );
+                said = true;
+            }
+        } else if tokio::time::Instant::now() >= until {
+            return signalled;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 fn main() -> ExitCode {
-    let dir = match parse_args(std::env::args().skip(1)) {
-        Ok(d) => d,
+    let args = match parse_args(std::env::args().skip(1)) {
+        Ok(a) => a,
         Err(e) => {
             eprintln!("ramify-pod: {e}\n{USAGE}");
             return ExitCode::from(2);
@@ -195,7 +254,7 @@ fn main() -> ExitCode {
             return ExitCode::from(BAD_EXIT_FILE);
         }
     };
-    match rt.block_on(follow(&dir)) {
+    match rt.block_on(follow(&args)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("ramify-pod: {e}");
@@ -297,9 +356,15 @@ mod tests {
     #[test]
     fn arguments() {
         let args = |a: &[&str]| parse_args(a.iter().map(|s| s.to_string()));
-        assert_eq!(args(&[]), Ok(PathBuf::from("/ramify")));
-        assert_eq!(args(&["--dir", "/x"]), Ok(PathBuf::from("/x")));
-        assert_eq!(args(&["--dir=/y"]), Ok(PathBuf::from("/y")));
+        let at = |d: &str, move_wait| {
+            Ok(Args {
+                dir: PathBuf::from(d),
+                move_wait,
+            })
+        };
+        assert_eq!(args(&[]), at("/ramify", false));
+        assert_eq!(args(&["--dir", "/x"]), at("/x", false));
+        assert_eq!(args(&["--dir=/y", "--move-wait"]), at("/y", true));
         assert!(args(&["--dir"]).is_err());
         assert!(args(&["/z"]).is_err());
     }
@@ -308,6 +373,46 @@ mod tests {
     async fn follow_returns_the_exit_code() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(POD_EXIT_FILE), "7").unwrap();
-        assert_eq!(follow(dir.path()).await.unwrap(), 7);
+        let args = Args {
+            dir: dir.path().into(),
+            move_wait: true,
+        };
+        assert_eq!(follow(&args).await.unwrap(), 7);
+    }
+
+    #[tokio::test]
+    async fn a_stopped_pod_waits_only_for_a_moving_sandbox() {
+        let linger = Duration::from_millis(300);
+        let stop = |dir: PathBuf| async move {
+            let mut w = Watch::new(&dir);
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let t0 = std::time::Instant::now();
+            let code = exit_after_stop(&mut w, &dir, 143, linger, &mut out, &mut err).await;
+            (code, t0.elapsed(), String::from_utf8(err).unwrap())
+        };
+        // Nothing moves: it ends with the signal's code once the linger is over.
+        let still = tempfile::tempdir().unwrap();
+        let (code, took, _) = stop(still.path().into()).await;
+        assert_eq!(code, 143);
+        assert!(took >= linger && took < linger * 4, "{took:?}");
+        // Moving: it waits past the linger for the exit file, and exits with its code.
+        let moving = tempfile::tempdir().unwrap();
+        std::fs::write(moving.path().join(POD_MOVING_FILE), "").unwrap();
+        let exit = moving.path().join(POD_EXIT_FILE);
+        let writer = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(900)).await;
+            std::fs::write(exit, "0").unwrap();
+        });
+        let (code, took, err) = stop(moving.path().into()).await;
+        writer.await.unwrap();
+        assert_eq!(code, 0);
+        assert!(took >= Duration::from_millis(900), "{took:?}");
+        assert!(err.contains("moving to a new Pod"), "{err}");
+        // Ended already: its own code at once.
+        let ended = tempfile::tempdir().unwrap();
+        std::fs::write(ended.path().join(POD_EXIT_FILE), "3").unwrap();
+        let (code, took, _) = stop(ended.path().into()).await;
+        assert_eq!(code, 3);
+        assert!(took < linger, "{took:?}");
     }
 }

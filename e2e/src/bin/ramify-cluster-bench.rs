@@ -10,7 +10,10 @@
 //! - a warm fork of 4 from a Snapshot's warm pool of 4, created through the API (as an
 //!   agent framework does), in cluster mode (the branches adopt the pool's Pods and
 //!   thaw the branches frozen in them) and in standalone mode; the pool refills between
-//!   runs, and how many branches were served warm is printed.
+//!   runs, and how many branches were served warm is printed;
+//! - an eviction: a counting workspace's Pod evicted -> the workspace Running in a new
+//!   Pod, its memory kept (its count goes on; checked every run), against a
+//!   ReplicaSet's plain Pod evicted -> its replacement Running (memory lost).
 //!
 //!   cargo build --bins && cargo build --release --bins
 //!   RAMIFY_PROFILE=release target/debug/ramify-cluster-bench [--runs 5]
@@ -22,10 +25,11 @@
 
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::apps::v1::ReplicaSet;
 use k8s_openapi::api::core::v1::Pod;
-use kube::Resource;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, PostParams};
 use kube::runtime::wait::{await_condition, conditions};
+use kube::{Resource, ResourceExt};
 use ramify_crds::{BranchSet, Sandbox, SandboxPhase};
 use ramify_e2e::ControlPlane;
 use ramify_e2e::node::RealNode;
@@ -233,6 +237,121 @@ async fn warm_forks(sys: &System, runs: usize) -> (Vec<Duration>, usize) {
     (took, warm)
 }
 
+/// Counts in a shell variable (memory), mirrored to a file.
+const COUNTER: &str = "i=0; while true; do i=$((i+1)); echo $i > /home/app/count; sleep 0.1; done";
+
+/// Polls `f` every 20 ms until it holds, failing the bench after [`WAIT`].
+async fn until<F: std::future::Future<Output = bool>>(what: &str, mut f: impl FnMut() -> F) {
+    let deadline = Instant::now() + WAIT;
+    while !f().await {
+        assert!(Instant::now() < deadline, "{what} within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The baseline: a ReplicaSet of one plain Pod; its Pod evicted -> a replacement
+/// Running, `runs` times (what the replacement had in memory is lost).
+async fn plain_evictions(sys: &System, image: &str, runs: usize) -> Vec<Duration> {
+    let rss: Api<ReplicaSet> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let pods: Api<Pod> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let mut pod = plain_pod("x", image);
+    pod["metadata"] = json!({"labels": {"app": "rs-bench"}});
+    let rs: ReplicaSet = serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": "rs-bench"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "rs-bench"}},
+                 "template": {"metadata": pod["metadata"], "spec": pod["spec"]}}
+    }))
+    .unwrap();
+    rss.create(&PostParams::default(), &rs).await.unwrap();
+    let lp = ListParams::default().labels("app=rs-bench");
+    let running = || async {
+        pods.list(&lp)
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|p| p.metadata.deletion_timestamp.is_none() && pod_running(Some(p)))
+    };
+    let mut took = Vec::new();
+    for _ in 0..runs {
+        let deadline = Instant::now() + WAIT;
+        let old = loop {
+            if let Some(p) = running().await {
+                break p;
+            }
+            assert!(Instant::now() < deadline, "no ReplicaSet Pod Running");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let t0 = Instant::now();
+        pods.evict(&old.name_any(), &EvictParams::default())
+            .await
+            .unwrap();
+        until("its replacement Running", || async {
+            running().await.is_some_and(|p| p.uid() != old.uid())
+        })
+        .await;
+        took.push(t0.elapsed());
+    }
+    rss.delete("rs-bench", &DeleteParams::foreground())
+        .await
+        .unwrap();
+    until("the ReplicaSet's Pods gone", || async {
+        pods.list(&lp).await.unwrap().items.is_empty()
+    })
+    .await;
+    took
+}
+
+/// A counting workspace's Pod evicted -> Running in a new Pod, `runs` times; how many
+/// times its count went on (its memory kept) is returned too.
+async fn evictions(sys: &System, image: &str, runs: usize) -> (Vec<Duration>, usize) {
+    let pods: Api<Pod> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let api = sys.sandboxes();
+    let obj: Sandbox = serde_json::from_value(sandbox("mover", image, COUNTER)).unwrap();
+    api.create(&PostParams::default(), &obj).await.unwrap();
+    wait_for(&api, "mover", "running", sandbox_running).await;
+    let pod_uid = || async {
+        api.get("mover")
+            .await
+            .unwrap()
+            .status
+            .filter(|s| s.phase == SandboxPhase::Running)
+            .and_then(|s| s.pod)
+            .map(|p| p.uid)
+    };
+    let (mut took, mut kept) = (Vec::new(), 0);
+    for _ in 0..runs {
+        until("mover counting", || async {
+            sys.number_on(&sys.state_dir, "mover", "/home/app/count")
+                .await
+                > 5
+        })
+        .await;
+        let before = sys
+            .number_on(&sys.state_dir, "mover", "/home/app/count")
+            .await;
+        let old = pod_uid().await.unwrap();
+        let t0 = Instant::now();
+        pods.evict("mover", &EvictParams::default()).await.unwrap();
+        until("mover Running in a new Pod", || async {
+            pod_uid().await.is_some_and(|u| u != old)
+        })
+        .await;
+        took.push(t0.elapsed());
+        let after = sys
+            .number_on(&sys.state_dir, "mover", "/home/app/count")
+            .await;
+        if after > before {
+            kept += 1;
+        }
+    }
+    let uid = api.get("mover").await.unwrap().uid().unwrap();
+    api.delete("mover", &DeleteParams::default()).await.unwrap();
+    wait_for(&api, "mover", "deleted", conditions::is_deleted(&uid)).await;
+    (took, kept)
+}
+
 fn ms(d: Duration) -> u128 {
     d.as_millis()
 }
@@ -290,6 +409,8 @@ async fn main() {
             .await,
         );
     }
+    let plain_evicted = plain_evictions(&sys, &busybox, runs).await;
+    let (moved, moved_kept) = evictions(&sys, &busybox, runs).await;
     let cluster_fork = cold_forks(&sys, &busybox, runs).await;
     let (cluster_warm, cluster_served) = warm_forks(&sys, runs).await;
     sys.teardown_and_check_clean().await;
@@ -333,6 +454,14 @@ async fn main() {
     println!(
         "| the same warm fork in standalone mode | {} |",
         summary(&standalone_warm)
+    );
+    println!(
+        "| baseline: a ReplicaSet's plain Pod evicted -> its replacement Running (memory lost) | {} |",
+        summary(&plain_evicted)
+    );
+    println!(
+        "| a counting workspace's Pod evicted -> Running in a new Pod, memory kept ({moved_kept} of {runs} counted on) | {} |",
+        summary(&moved)
     );
     let all = runs * BRANCHES;
     println!(

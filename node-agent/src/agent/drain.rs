@@ -86,6 +86,7 @@ impl Agent {
                 "{} before this branch's verdict: it fails, its BranchSet goes on with the others",
                 self.drain_text(&why)
             ),
+            disrupted: false,
         })
     }
 

@@ -16,6 +16,7 @@ pub mod commit_guard;
 pub mod decided;
 mod drain;
 pub mod endpoint;
+mod evicted;
 mod exit;
 mod fetch;
 pub mod images;

@@ -1,6 +1,8 @@
 //! A suspended sandbox that moves between nodes (see the operator's `moves`): the node
 //! it was bound to resumes it from the object store's copy, and the node it left lets
-//! go of its own copy.
+//! go of its own copy. In cluster mode, a workspace moved out of its evicted Pod (see
+//! `evicted`) is resumed the same way in its new Pod, from the object store's copy or
+//! from the image the old node kept.
 //!
 //! - Here, bound and not held, phase `Suspended` with a copy in the object store
 //!   (`status.suspension.remote`): claimed (Ready reason `Resuming`, guarded), its
@@ -37,6 +39,7 @@ impl Agent {
         obj: &SandboxObj,
         uid: &str,
         susp: &SuspensionStatus,
+        pod_uid: Option<&str>,
     ) -> Result<Action> {
         if obj.spec.suspended {
             // Asked to stay suspended: its copy waits in the object store.
@@ -46,19 +49,26 @@ impl Agent {
             // Not here while this node drains: the operator moves it on.
             return Ok(Action::requeue(Duration::from_secs(5)));
         }
-        let Some(remote) = self.cfg.remote.clone() else {
+        let local = self.engine.store().meta(&susp.image).is_ok();
+        let remote = self.cfg.remote.clone();
+        if !local && remote.is_none() {
             let message = format!(
                 "suspended on node {} and bound to node {}, which has no object store to download its image from",
                 susp.node, self.cfg.node
             );
             self.fail_moved(obj, false, message).await?;
             return Ok(Action::await_change());
-        };
+        }
         if let Some(wait) = self.admit(obj, uid).await? {
             return Ok(wait);
         }
+        let from = if local {
+            "its image on this node"
+        } else {
+            "the object store"
+        };
         let claim = format!(
-            "resuming on node {} from the object store (suspended on node {})",
+            "resuming on node {} from {from} (suspended on node {})",
             self.cfg.node, susp.node
         );
         if !self.claim_resume(obj, Some(susp.clone()), claim).await? {
@@ -72,28 +82,41 @@ impl Agent {
         let slot = self.admission.restores.permit(uid);
         self.publish_capacity();
         let status = obj.status.clone().unwrap_or_default();
-        let resumed = async {
-            self.download_image(obj, &remote, &susp.image, &susp.sha256)
-                .await?;
-            let (_, source, pulled) = self.fresh_source(obj).await?;
-            if let (Some(p), Some(want)) = (&pulled, &status.image_digest)
-                && &p.digest != want
-            {
-                return Err(Error::RootfsRefused(format!(
-                    "its image resolves to {} on node {}, not {want} it was suspended with",
-                    p.digest, self.cfg.node
-                )));
+        let resumed =
+            async {
+                if self.engine.store().meta(&susp.image).is_err() {
+                    let remote = remote.as_ref().filter(|_| susp.remote).ok_or_else(|| {
+                        Error::ImageLost {
+                            id: susp.image.clone(),
+                            reason: format!(
+                                "its image is not on node {} and has no copy in an object store",
+                                self.cfg.node
+                            ),
+                        }
+                    })?;
+                    self.download_image(obj, remote, &susp.image, &susp.sha256)
+                        .await?;
+                }
+                let (_, source, pulled) = self.fresh_source(obj).await?;
+                if let (Some(p), Some(want)) = (&pulled, &status.image_digest)
+                    && &p.digest != want
+                {
+                    return Err(Error::RootfsRefused(format!(
+                        "its image resolves to {} on node {}, not {want} it was suspended with",
+                        p.digest, self.cfg.node
+                    )));
+                }
+                self.engine
+                    .resume_moved(
+                        &obj.name_any(),
+                        &susp.image,
+                        source,
+                        status.identity.clone(),
+                        pod_uid,
+                    )
+                    .await
             }
-            self.engine
-                .resume_moved(
-                    &obj.name_any(),
-                    &susp.image,
-                    source,
-                    status.identity.clone(),
-                )
-                .await
-        }
-        .await;
+            .await;
         drop(slot);
         self.admission.restores.leave(uid);
         let (sb, took) = match resumed {
@@ -108,6 +131,9 @@ impl Agent {
                     // Its local download is of no use any more.
                     if let Err(r) = self.engine.store().remove(&susp.image) {
                         warn!(image = %susp.image, error = %r, "removing a downloaded image failed");
+                    }
+                    if let Some(pod_uid) = pod_uid {
+                        self.fail_pod(obj, pod_uid);
                     }
                     let message = format!("could not be resumed on node {}: {e}", self.cfg.node);
                     self.fail_moved(obj, true, message).await?;
@@ -140,7 +166,7 @@ impl Agent {
             .find(|c| c.type_ == ramify_crds::CONDITION_SUSPENDED)
             .and_then(|c| c.last_transition_time.clone());
         let message = format!(
-            "resumed on node {} in {} ms from the object store (suspended on node {}{})",
+            "resumed on node {} in {} ms from {from} (suspended on node {}{})",
             self.cfg.node,
             took.as_millis(),
             susp.node,
@@ -154,7 +180,9 @@ impl Agent {
         }
         info!(sandbox = %obj.name_any(), from = %susp.node, ms = t0.elapsed().as_millis() as u64, "resumed a moved sandbox");
         // Restored: the object store's copy is not needed any more.
-        self.drop_remote_copy(&susp.image, &susp.sha256).await;
+        if susp.remote {
+            self.drop_remote_copy(&susp.image, &susp.sha256).await;
+        }
         Ok(Action::requeue(Duration::from_secs(10)))
     }
 

@@ -4,8 +4,9 @@
 //! event wakes its Sandbox's reconcile (by the Pod's controller reference). A Sandbox
 //! starts (or restores) only once its Pod is on this node, controlled by it, not being
 //! deleted, and its `ramify-pod` container runs: until then it says it waits
-//! (`WaitingForPod`). A sandbox whose Pod is deleted or evicted while it lives is
-//! destroyed, and its Sandbox fails saying so (`PodDeleted`, `PodEvicted`).
+//! (`WaitingForPod`). A sandbox whose Pod is deleted while it lives is destroyed, and
+//! its Sandbox fails saying so (`PodDeleted`); a branch whose Pod is evicted too
+//! (`PodEvicted`), while a workspace moves to a new Pod (see `evicted`).
 
 use std::time::Duration;
 
@@ -164,6 +165,9 @@ pub fn ready_to_start(
     if pod.metadata.deletion_timestamp.is_some() {
         return Err(format!("waiting for its Pod {key}: it is being deleted"));
     }
+    if disruption(pod).is_some() {
+        return Err(format!("waiting for its Pod {key}: it is being evicted"));
+    }
     let on = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
     if on != Some(node) {
         return Err(format!(
@@ -188,6 +192,20 @@ pub fn ready_to_start(
 pub struct PodGone {
     pub reason: &'static str,
     pub message: String,
+    /// The Pod is being evicted (`DisruptionTarget`: the eviction API, a drain, a
+    /// preemption, a taint) and still exists: a workspace can move out of it first.
+    pub disrupted: bool,
+}
+
+/// The Pod's `DisruptionTarget` condition, if it is True: set before an eviction, a
+/// drain, a preemption, a NoExecute taint or a node shutdown deletes the Pod.
+pub fn disruption(pod: &Pod) -> Option<&k8s_openapi::api::core::v1::PodCondition> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "DisruptionTarget" && c.status == "True")
 }
 
 /// While a sandbox lives in the Pod with `placed_uid`: why it must end, if it must.
@@ -199,12 +217,14 @@ pub fn gone(pod: Option<&Pod>, placed_uid: &str, key: &str, ended: bool) -> Opti
         Some(PodGone {
             reason: REASON_POD_DELETED,
             message,
+            disrupted: false,
         })
     };
     let evicted = |message: String| {
         Some(PodGone {
             reason: REASON_POD_EVICTED,
             message,
+            disrupted: false,
         })
     };
     let Some(pod) = pod else {
@@ -216,16 +236,16 @@ pub fn gone(pod: Option<&Pod>, placed_uid: &str, key: &str, ended: bool) -> Opti
         ));
     }
     let status = pod.status.as_ref();
-    let disruption = status.and_then(|s| s.conditions.as_ref()).and_then(|cs| {
-        cs.iter()
-            .find(|c| c.type_ == "DisruptionTarget" && c.status == "True")
-    });
-    if let Some(c) = disruption {
-        return evicted(format!(
-            "its Pod {key} was evicted ({}): {}",
-            c.reason.as_deref().unwrap_or("DisruptionTarget"),
-            c.message.as_deref().unwrap_or("no message given")
-        ));
+    if let Some(c) = disruption(pod) {
+        return Some(PodGone {
+            reason: REASON_POD_EVICTED,
+            message: format!(
+                "its Pod {key} was evicted ({}): {}",
+                c.reason.as_deref().unwrap_or("DisruptionTarget"),
+                c.message.as_deref().unwrap_or("no message given")
+            ),
+            disrupted: true,
+        });
     }
     if status.and_then(|s| s.reason.as_deref()) == Some("Evicted") {
         return evicted(format!(
@@ -262,7 +282,7 @@ fn ended(obj: &SandboxObj) -> bool {
 impl Agent {
     /// The Pods store, once it holds its first full list (`None` before, and in
     /// standalone mode).
-    fn pods_synced(&self) -> Option<&kube::runtime::reflector::Store<Pod>> {
+    pub(super) fn pods_synced(&self) -> Option<&kube::runtime::reflector::Store<Pod>> {
         let store = self.cache.get()?.pods.as_ref()?;
         matches!(store.wait_until_ready().now_or_never(), Some(Ok(()))).then_some(store)
     }
@@ -591,14 +611,34 @@ mod tests {
         let e = g(Some(kubelet));
         assert_eq!(e.reason, REASON_POD_EVICTED);
         assert!(e.message.contains("low on resource"), "{}", e.message);
+        assert!(
+            !e.disrupted,
+            "the kubelet stopped it already: nothing left to move"
+        );
         let drained = pod(
             json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"},
             "status": {"conditions": [{"type": "DisruptionTarget", "status": "True",
                 "reason": "EvictionByEvictionAPI", "message": "Eviction API: evicting"}]}}),
         );
-        let e = g(Some(drained));
+        let e = g(Some(drained.clone()));
         assert_eq!(e.reason, REASON_POD_EVICTED);
         assert!(e.message.contains("EvictionByEvictionAPI"), "{}", e.message);
+        assert!(e.disrupted, "a workspace moves out of it");
+        assert!(
+            ready_to_start(Some(&drained), SBX, "ns/w", NODE)
+                .unwrap_err()
+                .contains("being deleted")
+        );
+        let marked = pod(
+            json!({"status": {"conditions": [{"type": "DisruptionTarget",
+            "status": "True", "reason": "EvictionByEvictionAPI"}]}}),
+        );
+        assert!(
+            ready_to_start(Some(&marked), SBX, "ns/w", NODE)
+                .unwrap_err()
+                .contains("being evicted"),
+            "a Pod on its way out is never started in"
+        );
         let died = pod(
             json!({"status": {"containerStatuses": [{"name": POD_CONTAINER,
             "ready": false, "restartCount": 0, "image": "i", "imageID": "",

@@ -123,8 +123,20 @@ impl Agent {
                 .await;
         }
         let live_snaps = self.bound_here::<SnapshotObj>().await?;
-        // What suspended sandboxes' processes are now: kept with them.
+        // What suspended sandboxes' processes are now: kept with them; so is the image
+        // of a workspace moved out of its evicted Pod, which its object names.
         let mut kept = suspended_images;
+        for obj in listed.values() {
+            if let Some(x) = obj
+                .status
+                .as_ref()
+                .filter(|s| s.phase == ramify_crds::SandboxPhase::Suspended)
+                .and_then(|s| s.suspension.as_ref())
+                .filter(|x| x.node == self.cfg.node)
+            {
+                kept.insert(x.image.clone());
+            }
+        }
         let records = self.registry.snapshots()?;
         self.skip_corrupt("snapshot", &records.corrupt).await;
         for (uid, rec) in records.by_uid() {

@@ -220,14 +220,18 @@ impl Agent {
                 }
                 None => {
                     info!("deleted sandbox has no local handle");
-                    // Moved here but never resumed: the object store's copy goes too.
-                    if let Some(x) = obj
-                        .status
-                        .as_ref()
-                        .and_then(|s| s.suspension.as_ref())
-                        .filter(|x| x.remote && x.node != self.cfg.node)
-                    {
-                        self.drop_remote_copy(&x.image, &x.sha256).await;
+                    // Moved here (or out of its evicted Pod) but never resumed: its
+                    // image goes, here and in the object store.
+                    if let Some(x) = obj.status.as_ref().and_then(|s| s.suspension.as_ref()) {
+                        if x.node == self.cfg.node
+                            && let Err(e) = self.engine.store().remove(&x.image)
+                        {
+                            self.cleanup_failed(obj, "remove a moved workspace's image", &e);
+                            return Err(e);
+                        }
+                        if x.remote {
+                            self.drop_remote_copy(&x.image, &x.sha256).await;
+                        }
                     }
                 }
             }
@@ -269,12 +273,35 @@ impl Agent {
             info!("this winner's sandbox was handed to its parent by a Full commit");
             return Ok(Action::await_change());
         }
-        // Suspended on another node (or its copy here lost) with a copy in the object
-        // store: resumed here from that copy.
+        // Suspended and not held here: resumed here from its image.
         if status.phase == SandboxPhase::Suspended
-            && let Some(x) = status.suspension.as_ref().filter(|x| x.remote)
+            && let Some(x) = status.suspension.as_ref()
         {
-            return self.resume_moved(obj, &uid, x).await;
+            match self.cfg.mode {
+                // Moved out of an evicted Pod: in its new Pod, once that runs here, from
+                // the object store's copy or the image this node kept.
+                ramify_crds::pod::Mode::Cluster => {
+                    let kept_here =
+                        x.node == self.cfg.node && self.engine.store().meta(&x.image).is_ok();
+                    if x.remote || kept_here {
+                        if obj.spec.suspended {
+                            return Ok(Action::await_change());
+                        }
+                        let pod_uid = match self.pod_to_start_in(obj, &uid).await {
+                            Ok(pod_uid) => pod_uid,
+                            Err(wait) => return Ok(wait),
+                        };
+                        return self.resume_moved(obj, &uid, x, Some(&pod_uid)).await;
+                    }
+                }
+                // Suspended on another node (or its copy here lost) with a copy in the
+                // object store: resumed here from that copy.
+                ramify_crds::pod::Mode::Standalone => {
+                    if x.remote {
+                        return self.resume_moved(obj, &uid, x, None).await;
+                    }
+                }
+            }
         }
         if status.sandbox_id.is_some() {
             // It ran here, and this node no longer has it: report, never restart.
@@ -315,8 +342,24 @@ impl Agent {
         if let Some(why) = lost_while_away(obj) {
             return self.end_for_pod(obj, uid, h, why).await;
         }
-        // Cluster mode: nothing of it outlives its Pod (whose cgroup and netns it uses).
+        if self.cfg.mode == ramify_crds::pod::Mode::Cluster && self.pods_synced().is_none() {
+            // Whether its Pod is still there is not known yet.
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        }
+        // Cluster mode: nothing of it outlives its Pod (whose cgroup and netns it uses),
+        // but a workspace moves out of an evicted Pod to a new one.
         if let Some(why) = self.pod_gone(obj, uid) {
+            if super::evicted::moved_out(obj, &self.cfg.node) {
+                let remote = obj
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.suspension.as_ref())
+                    .is_some_and(|x| x.remote);
+                return self.let_go_of_moved_out(uid, h, remote).await;
+            }
+            if super::evicted::moves_out(obj, &why) {
+                return self.move_out_of_pod(obj, uid, h, why).await;
+            }
             return self.end_for_pod(obj, uid, h, why).await;
         }
         // A branch without a verdict on a draining node ends, failed.
@@ -427,6 +470,7 @@ pub(super) fn lost_while_away(obj: &SandboxObj) -> Option<PodGone> {
     (st.phase == SandboxPhase::Failed && ready.reason == REASON_NODE_LOST).then(|| PodGone {
         reason: REASON_NODE_LOST,
         message: ready.message.clone(),
+        disrupted: false,
     })
 }
 

@@ -93,7 +93,7 @@ impl Agent {
                 )));
             }
             self.engine
-                .resume_moved(&winner.name_any(), &sh.image, source, None)
+                .resume_moved(&winner.name_any(), &sh.image, source, None, None)
                 .await
         }
         .await;

@@ -226,15 +226,8 @@ impl Agent {
                     if !still {
                         return;
                     }
-                    let t0 = std::time::Instant::now();
-                    match remote.upload(agent.engine.store(), &image).await {
+                    match agent.upload_suspended(&remote, &image).await {
                         Ok(r) => {
-                            agent.metrics.transferred(
-                                "upload",
-                                "suspended",
-                                t0.elapsed().as_secs_f64(),
-                                r.bytes_read,
-                            );
                             let marked = match h.lock().await.as_mut() {
                                 Some(sb) => agent.engine.mark_suspension_remote(sb, &image),
                                 None => Ok(false),
@@ -251,7 +244,6 @@ impl Agent {
                             return;
                         }
                         Err(e) => {
-                            let e = Error::from(e);
                             agent.metrics.failed("suspend_upload", error_category(&e));
                             if e.is_permanent() {
                                 warn!(image = %image, error = %e, "uploading a suspended image failed for good");
@@ -266,6 +258,23 @@ impl Agent {
                 }
             })
         });
+    }
+
+    /// Uploads suspended image `image` to the object store, counting the transfer.
+    pub(super) async fn upload_suspended(
+        &self,
+        remote: &crate::remote::RemoteStore,
+        image: &str,
+    ) -> Result<crate::remote::UploadReport> {
+        let t0 = std::time::Instant::now();
+        let r = remote.upload(self.engine.store(), image).await?;
+        self.metrics.transferred(
+            "upload",
+            "suspended",
+            t0.elapsed().as_secs_f64(),
+            r.bytes_read,
+        );
+        Ok(r)
     }
 
     /// The suspended image is on this node, or is downloaded from the object store
@@ -366,7 +375,7 @@ impl Agent {
 
     /// Writes the phase, `Ready` (its message is the running id when ready, else
     /// `message`) and the `Suspended` condition (`message`).
-    async fn write_suspension(
+    pub(super) async fn write_suspension(
         &self,
         obj: &SandboxObj,
         sb: &LocalSandbox,

@@ -275,7 +275,8 @@ impl Engine {
     /// (downloaded into this node's store and verified), on `rootfs` as this node has
     /// it, in a new directory, network namespace and cgroup of this node. It keeps its
     /// processes, memory, files and identity (`identity_uid`); its id and IP are this
-    /// node's. The image goes once it runs.
+    /// node's (cluster mode: those of its new Pod, `pod_uid`). The image goes once it
+    /// runs.
     #[instrument(skip(self, rootfs))]
     pub async fn resume_moved(
         &self,
@@ -283,6 +284,7 @@ impl Engine {
         image: &str,
         rootfs: crate::rootfs::RootfsSource,
         identity_uid: Option<String>,
+        pod_uid: Option<&str>,
     ) -> Result<(LocalSandbox, Duration)> {
         let t0 = Instant::now();
         let (meta, img) = self.verified_image(image).await?;
@@ -300,7 +302,7 @@ impl Engine {
                 meta.workload.clone(),
                 super::sandbox::Net {
                     egress_allow,
-                    pod_uid: None,
+                    pod_uid,
                 },
                 None,
             )
