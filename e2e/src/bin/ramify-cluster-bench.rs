@@ -256,6 +256,8 @@ async fn plain_evictions(sys: &System, image: &str, runs: usize) -> Vec<Duration
     let pods: Api<Pod> = Api::namespaced(sys.client.clone(), &sys.ns.name);
     let mut pod = plain_pod("x", image);
     pod["metadata"] = json!({"labels": {"app": "rs-bench"}});
+    // A ReplicaSet's Pods restart (the only policy it takes).
+    pod["spec"]["restartPolicy"] = json!("Always");
     let rs: ReplicaSet = serde_json::from_value(json!({
         "apiVersion": "apps/v1", "kind": "ReplicaSet",
         "metadata": {"name": "rs-bench"},
