@@ -102,13 +102,15 @@ impl Bed {
         assert_eq!(st.winner.as_deref(), Some(winner));
     }
 
+    /// The Pod the Sandbox's status names (default before it has one).
+    async fn pod_ref(&self, name: &str) -> ramify_crds::PodRef {
+        let sbx = self.sys.sandboxes().get(name).await.unwrap();
+        sbx.status.and_then(|s| s.pod).unwrap_or_default()
+    }
+
     /// The name of the Pod the Sandbox's status names (empty before it has one).
     async fn current_pod(&self, name: &str) -> String {
-        let sbx = self.sys.sandboxes().get(name).await.unwrap();
-        sbx.status
-            .and_then(|s| s.pod)
-            .map(|p| p.name)
-            .unwrap_or_default()
+        self.pod_ref(name).await.name
     }
 
     /// The Sandbox's phase now.
@@ -201,11 +203,7 @@ spec:
 
     /// The UID of the Pod the Sandbox's status names.
     async fn pod_uid(&self, name: &str) -> String {
-        let sbx = self.sys.sandboxes().get(name).await.unwrap();
-        sbx.status
-            .and_then(|s| s.pod)
-            .map(|p| p.uid)
-            .unwrap_or_default()
+        self.pod_ref(name).await.uid
     }
 
     /// Waits until `name` runs again in a Pod other than `old_pod` (it moved).
