@@ -122,6 +122,9 @@ struct ProbeResult {
     kubectl_start: Vec<Duration>,
     readyz_kept: Vec<Duration>,
     load1: Vec<f64>,
+    /// The lists over 1 s as this test saw them: when (since the probe started) and how
+    /// long, printed to tell start-up effects from the load's.
+    slow_lists: Vec<(Duration, Duration)>,
     failures: Vec<String>,
     peak_running: usize,
 }
@@ -181,6 +184,7 @@ impl Probe {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut n = 0u64;
+            let started = Instant::now();
             while !stop2.load(Ordering::SeqCst) {
                 tick.tick().await;
                 n += 1;
@@ -230,6 +234,9 @@ impl Probe {
                 match client.request_text(req).await {
                     Ok(body) => {
                         r.list.push(t0.elapsed());
+                        if t0.elapsed() > Duration::from_secs(1) {
+                            r.slow_lists.push((t0 - started, t0.elapsed()));
+                        }
                         let t1 = Instant::now();
                         match serde_json::from_str::<serde_json::Value>(&body) {
                             Ok(v) if v["kind"] == "Table" => r.decode.push(t1.elapsed()),
@@ -454,6 +461,10 @@ async fn a_hundred_replicas_commit_one_winner_while_the_api_server_keeps_answeri
         p99(&probed.decode).as_millis()
     );
     println!("  the API server says: {lists}");
+    println!(
+        "  lists over 1 s here (started at, took): {:?}",
+        probed.slow_lists
+    );
     println!(
         "  readyz breakdown p99: kubectl start-up alone {} ms, /readyz on a kept connection {} ms; load average max {:.1}",
         p99(&probed.kubectl_start).as_millis(),

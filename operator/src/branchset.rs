@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::core::DeserializeGuard;
@@ -244,27 +245,46 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
 /// agent starts each one when it sees it created, pinned by `spec.nodeName`). Then
 /// binds them, all in parallel: the binding writes come after every create, so that
 /// on a busy API server they do not hold up the later creates.
+/// A set's branch creates (and bindings) in flight at once (client-go's default burst).
+const WRITES_IN_FLIGHT: usize = 10;
+
 async fn create_branches(
     ctx: &Context,
     bs_uid: &str,
     sandboxes: &Api<Sandbox>,
     branches: &[Sandbox],
 ) -> Result<()> {
-    let creations = branches.iter().map(|sbx| async move {
-        create_ignoring_exists(sandboxes, sbx).await?;
-        ctx.expectations
-            .created(expectations::key(bs_uid, &sbx.name_any()));
-        Ok::<_, crate::error::Error>(())
-    });
-    futures::future::try_join_all(creations).await?;
+    // Collected first: a stream over the closure is not Send for every lifetime.
+    let creations: Vec<_> = branches
+        .iter()
+        .map(|sbx| async move {
+            create_ignoring_exists(sandboxes, sbx).await?;
+            ctx.expectations
+                .created(expectations::key(bs_uid, &sbx.name_any()));
+            Ok::<_, crate::error::Error>(())
+        })
+        .collect();
+    // At most WRITES_IN_FLIGHT at once: a hundred creates at once (each through the
+    // CRD's CEL rules) starve the API server's other clients for a moment; in a row of
+    // ten they take about as long.
+    futures::stream::iter(creations)
+        .buffer_unordered(WRITES_IN_FLIGHT)
+        .try_collect::<Vec<()>>()
+        .await?;
     // Cluster mode: a branch is bound once its Pod is scheduled (pinned to the
     // snapshot's node), by the Sandbox reconciler, with `status.pod`; a binding written
     // here would race it and drop that.
     if ctx.settings.mode == ramify_crds::pod::Mode::Cluster {
         return Ok(());
     }
-    let bindings = branches.iter().map(|sbx| bind_branch(sandboxes, sbx));
-    futures::future::try_join_all(bindings).await?;
+    let bindings: Vec<_> = branches
+        .iter()
+        .map(|sbx| bind_branch(sandboxes, sbx))
+        .collect();
+    futures::stream::iter(bindings)
+        .buffer_unordered(WRITES_IN_FLIGHT)
+        .try_collect::<Vec<_>>()
+        .await?;
     Ok(())
 }
 
