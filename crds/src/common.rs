@@ -17,6 +17,10 @@ pub const LABEL_BRANCH: &str = "ramify.dev/branch";
 /// runs on (where its branches run and its commit applies). Each node agent watches
 /// only the BranchSets labelled with its own node.
 pub const LABEL_NODE: &str = "ramify.dev/node";
+/// Label the operator sets (to `"true"`, and never removes) on a Snapshot whose
+/// `spec.warmPool.nodes` was ever set: the node agents watch those Snapshots besides
+/// their own node's, for the pools asked of them.
+pub const LABEL_WARM_ELSEWHERE: &str = "ramify.dev/warm-elsewhere";
 /// Label on a self-fork's BranchSet and its branch Sandboxes: the Sandbox that forked
 /// itself.
 pub const LABEL_SELF_FORK_OF: &str = "ramify.dev/self-fork-of";

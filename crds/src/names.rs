@@ -64,6 +64,21 @@ pub const MANAGER_AGENT_BRANCH: &str = "ramify-node-agent/branch";
 pub const MANAGER_AGENT_SNAPSHOT: &str = "ramify-node-agent/snapshot";
 /// Node agent: a Snapshot's warm pool status.
 pub const MANAGER_AGENT_WARM_POOL: &str = "ramify-node-agent/warm-pool";
+/// Node agent of a node in a Snapshot's `spec.warmPool.nodes`: its own entry of
+/// `status.warm.nodes` (a manager per node, so no agent's apply removes another's
+/// entry). A name too long for a field manager (128 bytes) ends in a hash of the node.
+pub fn manager_agent_warm_pool_on(node: &str) -> String {
+    let full = format!("{MANAGER_AGENT_WARM_POOL}@{node}");
+    if full.len() <= 128 {
+        return full;
+    }
+    // FNV-1a: stable across builds and releases, unlike the std hasher.
+    let hash = node.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let keep: String = node.chars().take(80).collect();
+    format!("{MANAGER_AGENT_WARM_POOL}@{keep}~{hash:016x}")
+}
 /// Node agent: where a Snapshot's image is kept (`status.storage`: local, remote).
 pub const MANAGER_AGENT_STORAGE: &str = "ramify-node-agent/storage";
 /// Node agent: a parent's `lastCommit`/`commits` and a winner's `commitRefused` (not the
@@ -108,5 +123,21 @@ mod tests {
     fn derived_names() {
         assert_eq!(node_lease_name("n1"), "ramify-node-n1");
         assert_eq!(branch_sandbox_name("try", "b"), "try-b");
+    }
+
+    #[test]
+    fn each_node_has_its_own_warm_pool_manager_within_the_length_limit() {
+        assert_eq!(
+            manager_agent_warm_pool_on("n2"),
+            "ramify-node-agent/warm-pool@n2"
+        );
+        let a = "a".repeat(200);
+        let b = format!("{}b", "a".repeat(199));
+        let (ma, mb) = (
+            manager_agent_warm_pool_on(&a),
+            manager_agent_warm_pool_on(&b),
+        );
+        assert!(ma.len() <= 128 && mb.len() <= 128, "{ma} {mb}");
+        assert_ne!(ma, mb);
     }
 }

@@ -120,6 +120,19 @@ pub const POD_ARG_MOVE_WAIT: &str = "--move-wait";
 /// How long `ramify-pod --move-wait`, told to stop, looks for [`POD_MOVING_FILE`]: the
 /// node agent writes it as soon as its Pod watch shows the eviction.
 pub const POD_MOVE_LINGER_MILLIS: u64 = 2000;
+/// Touched by the node agent in the volume of every Pod holding one of its sandboxes,
+/// every [`POD_HEARTBEAT_SECONDS`], once it is up (its Pod watch synced): a
+/// `ramify-pod --move-wait` told to stop finds it stale when the agent is down, and
+/// then waits for the agent's return (within the grace period) instead of ending the
+/// Pod, and the workspace, under it.
+pub const POD_HEARTBEAT_FILE: &str = "agent-alive";
+/// How often the node agent touches [`POD_HEARTBEAT_FILE`].
+pub const POD_HEARTBEAT_SECONDS: u64 = 5;
+/// A [`POD_HEARTBEAT_FILE`] older than this says the node agent is down.
+pub const POD_HEARTBEAT_STALE_SECONDS: u64 = 15;
+/// How long `ramify-pod --move-wait` looks for [`POD_MOVING_FILE`] once a node agent
+/// that was down is back (it resumes its sandboxes, then sees the eviction).
+pub const POD_MOVE_LINGER_AFTER_RETURN_MILLIS: u64 = 15_000;
 /// A workspace Pod's `terminationGracePeriodSeconds`: it bounds how long a moving
 /// workspace's checkpoint (and upload to the object store) may take.
 pub const POD_TERMINATION_GRACE_SECONDS: i64 = 120;

@@ -76,12 +76,21 @@ pub enum SnapshotMode {
 }
 
 /// Warm pool settings.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct WarmPool {
-    /// Number of pre-restored, frozen branches to keep (0 to 32).
+    /// Number of pre-restored, frozen branches to keep (0 to 32), on the snapshot's
+    /// node and on each of `nodes`.
     #[schemars(range(min = 0, max = 32))]
     pub size: i32,
+    /// Other nodes that keep a pool of `size` too, restored from the object store's
+    /// copy of the image (downloaded once per node, shared with the branches restored
+    /// there). Branches a BranchSet's `spec.placement` puts on them claim from it, and
+    /// placement prefers them after the snapshot's own node. Standalone mode.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8), inner(length(min = 1, max = 253)))]
+    #[x_kube(validation = Rule::new("self.all(n, self.exists_one(m, m == n))").message("spec.warmPool.nodes must not name a node twice"))]
+    pub nodes: Vec<String>,
 }
 
 /// Lifecycle phase of a Snapshot.
@@ -179,10 +188,11 @@ pub struct SnapshotStorage {
 }
 
 /// Warm pool state.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct WarmStatus {
-    /// Branches restored, frozen and ready to be claimed.
+    /// Branches restored, frozen and ready to be claimed on the snapshot's node.
+    #[serde(default)]
     pub ready: i32,
     /// Claims served from the pool since the snapshot was captured.
     #[serde(default)]
@@ -195,4 +205,26 @@ pub struct WarmStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
     pub pods: Vec<String>,
+    /// The pools of `spec.warmPool.nodes`, each written by its node's agent.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["node".into()]))]
+    pub nodes: Vec<NodeWarm>,
+}
+
+/// A warm pool on another node than the snapshot's.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeWarm {
+    /// The node.
+    #[schemars(length(min = 1, max = 253))]
+    pub node: String,
+    /// Branches restored, frozen and ready to be claimed there.
+    #[serde(default)]
+    pub ready: i32,
+    /// Why the pool cannot be kept there, when it cannot (no object store, the image
+    /// does not resolve to the snapshot's digest, no room).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub unavailable: Option<String>,
 }

@@ -662,6 +662,23 @@ impl System {
             .await
     }
 
+    /// Waits until BranchSet `name` has ended; it must have `Committed`. Its status.
+    pub async fn wait_committed(&self, name: &str, secs: u64) -> ramify_crds::BranchSetStatus {
+        let bs = self
+            .wait_branchset(name, "ended", secs, |b| {
+                b.status.as_ref().is_some_and(|s| s.phase.is_ended())
+            })
+            .await;
+        let st = bs.status.unwrap_or_default();
+        assert_eq!(
+            st.phase,
+            ramify_crds::BranchSetPhase::Committed,
+            "{name}: {st:#?}\n{}",
+            self.diagnostics()
+        );
+        st
+    }
+
     /// Waits until no sandbox with `label` exists any more.
     pub async fn wait_branches_gone(&self, bs: &str, secs: u64) {
         let deadline = Instant::now() + Duration::from_secs(secs);

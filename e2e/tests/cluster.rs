@@ -760,6 +760,70 @@ async fn an_evicted_workspace_moves_through_the_object_store() {
     bed.teardown().await;
 }
 
+/// An eviction while the node agent is down: the workspace's Pod, told to stop, finds
+/// the agent's heartbeat stale and stays (Terminating) instead of ending with the
+/// workspace inside; the agent, back, sees the eviction and moves the workspace out,
+/// counting on in a new Pod.
+#[tokio::test]
+async fn an_eviction_while_the_node_agent_is_down_waits_for_it_and_moves_the_workspace() {
+    let _one_node = RealNode::exclusive().await;
+    let mut bed = bed("cluster-move-agent-down").await;
+    bed.sys.apply(&bed.sandbox("ws", COUNTER, ""));
+    bed.phase("ws", SandboxPhase::Running, 300).await;
+    bed.until("ws counts", 60, async || bed.count("ws").await > 5)
+        .await;
+    let old_pod = bed.pod_uid("ws").await;
+    let beat = ramify_crds::pod::pod_volume_on_host(&bed.node.dir.join("kubelet"), &old_pod)
+        .join(ramify_crds::pod::POD_HEARTBEAT_FILE);
+    bed.until(
+        "the agent's heartbeat in the Pod's volume",
+        30,
+        async || beat.exists(),
+    )
+    .await;
+
+    bed.sys.agent.kill().unwrap();
+    let stale = Duration::from_secs(ramify_crds::pod::POD_HEARTBEAT_STALE_SECONDS);
+    bed.until("the heartbeat goes stale", 60, async || {
+        std::fs::metadata(&beat)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|a| a > stale))
+    })
+    .await;
+    let before = bed.count("ws").await;
+    bed.pods()
+        .evict("ws", &EvictParams::default())
+        .await
+        .unwrap();
+    // The Pod waits for the agent (a running one gets 2 s to say the workspace moves).
+    bed.until("ramify-pod says it waits for the agent", 60, async || {
+        bed.kubectl(&["logs", "ws"])
+            .stdout
+            .contains("node agent is down")
+    })
+    .await;
+    assert_eq!(bed.current_phase("ws").await, SandboxPhase::Running);
+
+    let t0 = Instant::now();
+    bed.sys.agent.start().unwrap();
+    let msg = bed.reason("ws", CONDITION_READY, REASON_POD_EVICTED).await;
+    assert!(
+        msg.contains("checkpointed with its processes, memory and files"),
+        "{msg}"
+    );
+    bed.running_in_new_pod("ws", &old_pod, 180).await;
+    let after = bed.count("ws").await;
+    assert!(
+        after > before,
+        "counted {before} before, {after} after: not moved"
+    );
+    eprintln!(
+        "evicted with the agent down: moved {:.1} s after the agent's restart ({before} -> {after})",
+        t0.elapsed().as_secs_f64()
+    );
+    bed.teardown().await;
+}
+
 /// A BranchSet forks a live sandbox in cluster mode: each branch is a Pod on the
 /// snapshot's node, restored from the snapshot inside it; the first branch that commits
 /// promotes its files (Paths) into the parent, the others' Pods go. A branch whose Pod

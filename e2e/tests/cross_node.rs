@@ -110,19 +110,7 @@ async fn a_best_of_twelve_spread_over_three_nodes_commits_one_winner_from_anothe
 
     let t0 = Instant::now();
     sys.apply(BEST_OF_12);
-    let bs = sys
-        .wait_branchset("spread", "Committed", 300, |b| {
-            b.status.as_ref().is_some_and(|s| s.phase.is_ended())
-        })
-        .await;
-    let st = bs.status.clone().unwrap();
-    assert_eq!(
-        st.phase,
-        BranchSetPhase::Committed,
-        "{:#?}\n{}",
-        st,
-        sys.diagnostics()
-    );
+    let st = sys.wait_committed("spread", 300).await;
     println!(
         "committed {:.1} s after the apply",
         t0.elapsed().as_secs_f64()
@@ -658,4 +646,205 @@ async fn a_node_agent_gone_for_good_fails_its_branches_and_the_set_commits_witho
 
 async fn remote_empty(store: &objectstore::TestStore) -> bool {
     store.client().list_images().await.unwrap().is_empty()
+}
+
+/// The sandboxes (frozen pool branches included) on the node keeping its state in
+/// `state_dir`; its store's images are not counted.
+fn sandboxes_on(state_dir: &std::path::Path) -> Vec<String> {
+    ramify_e2e::leftovers::node_leftovers(state_dir)
+        .into_iter()
+        .filter(|l| l.starts_with("sandbox directory") || l.starts_with("netns"))
+        .collect()
+}
+
+/// Ready branches in `node`'s warm pool of `snap`, as its status says.
+fn warm_on(snap: &ramify_crds::Snapshot, node: &str) -> Option<i32> {
+    snap.status
+        .as_ref()?
+        .warm
+        .as_ref()?
+        .nodes
+        .iter()
+        .find(|n| n.node == node)
+        .map(|n| n.ready)
+}
+
+/// Two branches on each of two nodes; b3 (on the second node) wins.
+const FROM_POOLED: &str = r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata: {name: warm}
+spec:
+  source: {snapshot: pooled}
+  replicas: 4
+  placement: {maxBranchesPerNode: 2}
+  template:
+    run: [/bin/sh, -c, 'if [ "$RAMIFY_BRANCH_INDEX" = 3 ]; then sleep 2; echo won-by-3 > /work/winner; exit 0; fi; sleep 600; exit 1']
+  timeoutSeconds: 300
+"#;
+
+#[tokio::test]
+async fn a_warm_pool_on_another_node_serves_the_branches_placed_there() {
+    let _serial = SERIAL.lock().await;
+    let store = objectstore::TestStore::new();
+    let args = store.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sys = System::start_with("warm-elsewhere", &args, &[]).await;
+    let home = sys.node();
+    let (n1, n1_state) = {
+        let n = sys.add_node();
+        (n.name.clone(), n.state_dir.clone())
+    };
+    let snaps: Api<ramify_crds::Snapshot> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+
+    // A node named twice is refused by the API server, naming the field.
+    let twice = format!(
+        "{}  warmPool: {{size: 2, nodes: [{n}, {n}]}}\n",
+        System::snapshot_yaml("twice", "ws"),
+        n = n1
+    );
+    let twice: ramify_crds::Snapshot = serde_yaml::from_str(&twice).unwrap();
+    let err = snaps
+        .create(&PostParams::default(), &twice)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("spec.warmPool.nodes"), "{err}");
+
+    sys.apply(&ws_on_home(&sys));
+    sys.wait_sandbox("ws", "Running", 120, running).await;
+    sys.apply(&format!(
+        "{}  warmPool: {{size: 2, nodes: [{}]}}\n",
+        System::snapshot_yaml("pooled", "ws"),
+        n1
+    ));
+    // The other node downloads the image once the store has it, and fills its pool.
+    let n1_name = n1.clone();
+    let t0 = Instant::now();
+    let snap = sys
+        .wait_for(
+            snaps.clone(),
+            "pooled",
+            "2 warm on each node",
+            180,
+            move |s| {
+                warm_on(s, &n1_name) == Some(2)
+                    && s.status
+                        .as_ref()
+                        .and_then(|st| st.warm.as_ref())
+                        .is_some_and(|w| w.ready == 2)
+            },
+        )
+        .await;
+    println!(
+        "pool of 2 on {} ready {:.1} s after the apply",
+        n1,
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        snap.status.as_ref().unwrap().node_name.as_deref(),
+        Some(home.as_str())
+    );
+    let fetched = sys.event("pooled", "Fetched").await;
+    println!("{}", fetched.note.unwrap_or_default());
+    let held = sandboxes_on(&n1_state);
+    assert_eq!(
+        held.iter()
+            .filter(|l| l.starts_with("sandbox directory"))
+            .count(),
+        2,
+        "{held:?}"
+    );
+
+    // Two branches on each node, every one of them claimed warm; b3 wins on n1.
+    let t0 = Instant::now();
+    sys.apply(FROM_POOLED);
+    let st = sys.wait_committed("warm", 300).await;
+    println!(
+        "committed {:.1} s after the apply",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(st.winner.as_deref(), Some("b3"));
+    let placed: Vec<(String, String, bool, bool)> = st
+        .branches
+        .iter()
+        .map(|b| {
+            (
+                b.name.clone(),
+                b.node.clone().unwrap_or_default(),
+                b.warm,
+                b.fetched,
+            )
+        })
+        .collect();
+    println!("branches (name, node, warm, fetched): {placed:?}");
+    for (name, node, warm, fetched) in &placed {
+        let on_home = ["b0", "b1"].contains(&name.as_str());
+        assert_eq!(node, if on_home { &home } else { &n1 }, "{placed:?}");
+        assert!(*warm, "{name} restored cold: {placed:?}");
+        assert_eq!(*fetched, !on_home, "{placed:?}");
+    }
+    assert_eq!(
+        sys.exec_on(&sys.state_dir, "ws", "cat /work/winner")
+            .1
+            .trim(),
+        "won-by-3"
+    );
+    // Still one download on n1: the pool's, shared with its branches.
+    let events: Api<Event> = Api::namespaced(sys.client.clone(), &sys.ns.name);
+    let downloads = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Fetched"))
+        .count();
+    assert_eq!(downloads, 1);
+
+    // The pool refills; taking n1 off the list closes it there and drops its entry.
+    let n1_name = n1.clone();
+    sys.wait_for(snaps.clone(), "pooled", "n1 refilled", 120, move |s| {
+        warm_on(s, &n1_name) == Some(2)
+    })
+    .await;
+    sys.apply(&format!(
+        "{}  warmPool: {{size: 2}}\n",
+        System::snapshot_yaml("pooled", "ws")
+    ));
+    let n1_name = n1.clone();
+    sys.wait_for(snaps.clone(), "pooled", "n1's entry gone", 60, move |s| {
+        warm_on(s, &n1_name).is_none()
+    })
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !sandboxes_on(&n1_state).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "n1 still holds {:?}",
+            sandboxes_on(&n1_state)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Back on the list, then the Snapshot deleted: the pool and the fetched image go.
+    sys.apply(&format!(
+        "{}  warmPool: {{size: 1, nodes: [{}]}}\n",
+        System::snapshot_yaml("pooled", "ws"),
+        n1
+    ));
+    let n1_name = n1.clone();
+    sys.wait_for(snaps.clone(), "pooled", "1 warm on n1", 120, move |s| {
+        warm_on(s, &n1_name) == Some(1)
+    })
+    .await;
+    sys.branchsets()
+        .delete("warm", &DeleteParams::default())
+        .await
+        .unwrap();
+    snaps
+        .delete("pooled", &DeleteParams::default())
+        .await
+        .unwrap();
+    node_clean(&sys, &n1_state, &n1).await;
+    sys.teardown_and_check_clean().await;
 }

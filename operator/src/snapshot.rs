@@ -1,18 +1,20 @@
 //! Snapshot reconciler: adds the node-cleanup finalizer, binds each Snapshot to the
-//! node that runs its source sandbox, records capture metrics and deletes expired
-//! snapshots (TTL). The node agent captures and reports.
+//! node that runs its source sandbox, labels one that asks other nodes for warm pools,
+//! records capture metrics and deletes expired snapshots (TTL). The node agent
+//! captures and reports.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, DeleteParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use ramify_crds::{
-    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, Snapshot, SnapshotPhase,
+    Condition, ConditionStatus, ConditionsExt, FINALIZER_NODE_CLEANUP, LABEL_WARM_ELSEWHERE,
+    Snapshot, SnapshotPhase,
 };
 use serde_json::json;
 use tracing::instrument;
@@ -69,6 +71,19 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
     {
         crate::add_finalizer(&api, snap).await?;
         return Ok(Action::await_change());
+    }
+
+    // Pools asked of other nodes: their agents watch the Snapshots so labelled (the
+    // label stays, so they see the list shrink too).
+    let elsewhere = snap
+        .spec
+        .warm_pool
+        .as_ref()
+        .is_some_and(|w| !w.nodes.is_empty());
+    if elsewhere && snap.labels().get(LABEL_WARM_ELSEWHERE).map(String::as_str) != Some("true") {
+        let label = json!({"metadata": {"labels": {LABEL_WARM_ELSEWHERE: "true"}}});
+        api.patch_metadata(&name, &PatchParams::default(), &Patch::Merge(&label))
+            .await?;
     }
 
     crate::metrics::set_phase(

@@ -9,8 +9,10 @@
 //! `<dir>/moving` for up to 2 s: the node agent writes it when the Pod is evicted and it
 //! moves the workspace (checkpoints it, to resume in a new Pod). Then it waits for the
 //! exit file, which the agent writes once the checkpoint is taken: the sandbox lives in
-//! this Pod's cgroup and network namespace until then. The Pod's grace period bounds
-//! the wait.
+//! this Pod's cgroup and network namespace until then. When the agent is down (its
+//! heartbeat in `<dir>/agent-alive` is stale), it waits for the agent to come back and
+//! decide, rather than end the Pod and the workspace in it. The Pod's grace period
+//! bounds every wait.
 //!
 //! The Pod must not end before its sandbox does: a console that cannot be read is said
 //! on stderr and looked at again, never fatal.
@@ -22,8 +24,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use ramify_crds::pod::{
-    POD_ARG_MOVE_WAIT, POD_CONSOLE_FILE, POD_EXIT_FILE, POD_MOUNT, POD_MOVE_LINGER_MILLIS,
-    POD_MOVING_FILE,
+    POD_ARG_MOVE_WAIT, POD_CONSOLE_FILE, POD_EXIT_FILE, POD_HEARTBEAT_FILE,
+    POD_HEARTBEAT_STALE_SECONDS, POD_MOUNT, POD_MOVE_LINGER_AFTER_RETURN_MILLIS,
+    POD_MOVE_LINGER_MILLIS, POD_MOVING_FILE,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -195,28 +198,52 @@ async fn follow(args: &Args) -> io::Result<u8> {
             if !args.move_wait {
                 return Ok(code);
             }
-            let linger = Duration::from_millis(POD_MOVE_LINGER_MILLIS);
+            let linger = Linger {
+                first: Duration::from_millis(POD_MOVE_LINGER_MILLIS),
+                after_return: Duration::from_millis(POD_MOVE_LINGER_AFTER_RETURN_MILLIS),
+                stale: Duration::from_secs(POD_HEARTBEAT_STALE_SECONDS),
+            };
             return Ok(
-                exit_after_stop(&mut watch, &args.dir, code, linger, &mut out, &mut err).await,
+                exit_after_stop(&mut watch, &args.dir, code, &linger, &mut out, &mut err).await,
             );
         }
     }
 }
 
+/// How long a stopped `ramify-pod --move-wait` gives the node agent to say its
+/// sandbox moves.
+struct Linger {
+    /// From the stop, the agent being up.
+    first: Duration,
+    /// From the agent's return, when it was down.
+    after_return: Duration,
+    /// A heartbeat older than this: the agent is down.
+    stale: Duration,
+}
+
+/// Whether the node agent's heartbeat in `dir` is older than `stale` (a Pod without
+/// one holds no sandbox of a running agent: nothing to wait for).
+fn agent_away(dir: &Path, stale: Duration) -> bool {
+    std::fs::metadata(dir.join(POD_HEARTBEAT_FILE))
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > stale))
+}
+
 /// Told to stop (`signalled`: the code to exit with): a sandbox that moves (the node
-/// agent wrote [`POD_MOVING_FILE`] within `linger`) is waited for until its exit file
-/// says it left this Pod; otherwise the Pod ends at once.
+/// agent wrote [`POD_MOVING_FILE`] within the linger) is waited for until its exit
+/// file says it left this Pod; otherwise the Pod ends once the linger is over. While
+/// the agent is down the linger does not run out: it starts again when it is back.
 async fn exit_after_stop(
     watch: &mut Watch,
     dir: &Path,
     signalled: u8,
-    linger: Duration,
+    linger: &Linger,
     out: &mut impl Write,
     err: &mut impl Write,
 ) -> u8 {
     let moving = dir.join(POD_MOVING_FILE);
-    let until = tokio::time::Instant::now() + linger;
-    let mut said = false;
+    let mut until = tokio::time::Instant::now() + linger.first;
+    let (mut said, mut away) = (false, false);
     loop {
         if let Look::Exited(code) = watch.look(out, err) {
             return code;
@@ -229,6 +256,17 @@ async fn exit_after_stop(
                 );
                 said = true;
             }
+        } else if agent_away(dir, linger.stale) {
+            if !away {
+                let _ = writeln!(
+                    err,
+                    "ramify-pod: the node agent is down: waiting for it to come back and move the sandbox"
+                );
+                away = true;
+            }
+        } else if away {
+            away = false;
+            until = tokio::time::Instant::now() + linger.after_return;
         } else if tokio::time::Instant::now() >= until {
             return signalled;
         }
@@ -387,7 +425,12 @@ mod tests {
             let mut w = Watch::new(&dir);
             let (mut out, mut err) = (Vec::new(), Vec::new());
             let t0 = std::time::Instant::now();
-            let code = exit_after_stop(&mut w, &dir, 143, linger, &mut out, &mut err).await;
+            let l = Linger {
+                first: linger,
+                after_return: linger,
+                stale: Duration::from_secs(15),
+            };
+            let code = exit_after_stop(&mut w, &dir, 143, &l, &mut out, &mut err).await;
             (code, t0.elapsed(), String::from_utf8(err).unwrap())
         };
         // Nothing moves: it ends with the signal's code once the linger is over.
@@ -414,5 +457,70 @@ mod tests {
         let (code, took, _) = stop(ended.path().into()).await;
         assert_eq!(code, 3);
         assert!(took < linger, "{took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_stopped_pod_waits_for_a_node_agent_that_is_down_to_come_back_and_decide() {
+        let l = Linger {
+            first: Duration::from_millis(200),
+            after_return: Duration::from_millis(600),
+            stale: Duration::from_secs(2),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let beat = dir.path().join(POD_HEARTBEAT_FILE);
+        // The agent's last heartbeat was 10 s ago: it is down.
+        let old = std::time::SystemTime::now() - Duration::from_secs(10);
+        std::fs::File::create(&beat)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let (d, b) = (dir.path().to_path_buf(), beat.clone());
+        // It comes back after 1 s (a fresh heartbeat) and says it moves 400 ms later,
+        // then takes its checkpoint.
+        let agent = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            std::fs::write(&b, "1").unwrap();
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            std::fs::write(d.join(POD_MOVING_FILE), "").unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            std::fs::write(d.join(POD_EXIT_FILE), "0").unwrap();
+        });
+        let mut w = Watch::new(dir.path());
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let t0 = std::time::Instant::now();
+        let code = exit_after_stop(&mut w, dir.path(), 143, &l, &mut out, &mut err).await;
+        agent.await.unwrap();
+        let err = String::from_utf8(err).unwrap();
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(1700),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert!(err.contains("node agent is down"), "{err}");
+        assert!(err.contains("moving to a new Pod"), "{err}");
+
+        // Back, it does not move the sandbox: the Pod ends once the linger after the
+        // return is over.
+        let dir = tempfile::tempdir().unwrap();
+        let beat = dir.path().join(POD_HEARTBEAT_FILE);
+        std::fs::File::create(&beat)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let b = beat.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            std::fs::write(&b, "1").unwrap();
+        });
+        let mut w = Watch::new(dir.path());
+        let t0 = std::time::Instant::now();
+        let code = exit_after_stop(&mut w, dir.path(), 143, &l, &mut out, &mut Vec::new()).await;
+        assert_eq!(code, 143);
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(1100) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
     }
 }

@@ -283,10 +283,8 @@ impl Agent {
                 let old = std::mem::replace(p, w);
                 // Cluster mode: the parent runs in the winner's Pod from now on (the
                 // operator hands that Pod to it; the old one goes).
-                if let Some(pod) = &p.placed.pod
-                    && let Ok(mut m) = self.placed_pods.lock()
-                {
-                    m.insert(parent_uid.to_string(), pod.uid.clone());
+                if let Some(pod) = &p.placed.pod {
+                    self.place(parent_uid, Some(&pod.uid));
                 }
                 // A parent that is itself a branch (nested sets) lives on in the
                 // winner's sandbox now.

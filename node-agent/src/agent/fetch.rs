@@ -40,6 +40,33 @@ impl Agent {
         obj: &SandboxObj,
         snap: &SnapshotObj,
     ) -> Result<(SnapshotRecord, RootfsSource)> {
+        let (rec, note) = self.fetched_image(snap).await?;
+        if let Some(note) = note {
+            self.event(obj, false, "Fetched", note).await;
+        }
+        let (_, source, pulled) = self.fresh_source(obj).await?;
+        let st = snap.status.as_ref();
+        if let (Some(p), Some(want)) = (&pulled, st.and_then(|s| s.image_digest.as_ref()))
+            && &p.digest != want
+        {
+            return Err(Error::RootfsRefused(format!(
+                "its image resolves to {} on node {}, not {want} snapshot {} was taken with",
+                p.digest,
+                self.cfg.node,
+                snap.name_any()
+            )));
+        }
+        Ok((rec, source))
+    }
+
+    /// The image of `snap` (taken on another node) in this node's store, downloaded
+    /// from the object store once per node (its branches and its warm pool share it)
+    /// and verified; with what was downloaded when this call downloaded it. `NotYet`
+    /// while its upload is still under way.
+    pub(super) async fn fetched_image(
+        &self,
+        snap: &SnapshotObj,
+    ) -> Result<(SnapshotRecord, Option<String>)> {
         let st = snap.status.clone().unwrap_or_default();
         let name = snap.name_any();
         let from = st.node_name.clone().unwrap_or_default();
@@ -47,7 +74,7 @@ impl Agent {
             return Err(Error::Snapshot {
                 id: name,
                 reason: format!(
-                    "was taken on node {from}, and node {} has no object store to download it from (spec.placement needs the chart's objectStore)",
+                    "was taken on node {from}, and node {} has no object store to download it from (the chart's objectStore)",
                     self.cfg.node
                 ),
             });
@@ -62,54 +89,42 @@ impl Agent {
         };
         let uid = snap.uid().unwrap_or_default();
         let store = self.engine.store();
-        let rec = {
-            // Once per node: the branches restoring it here wait for one download.
-            let lock = self.uploads.download_lock(&format!("fetch:{uid}"));
-            let _held = lock.lock().await;
-            match self.registry.fetched(&uid)? {
-                Some(r) if store.meta(&r.image_id).is_ok() => r,
-                _ => {
-                    let t0 = std::time::Instant::now();
-                    let r = remote.download(store, &sha).await?;
-                    self.metrics.transferred(
-                        "download",
-                        "snapshot",
-                        t0.elapsed().as_secs_f64(),
-                        r.meta.size_bytes,
-                    );
-                    let rec = SnapshotRecord {
-                        namespace: snap.namespace().unwrap_or_default(),
-                        name: name.clone(),
-                        uid: uid.clone(),
-                        image_id: r.meta.id.clone(),
-                        source_commit_generation: st
-                            .source_commit_generation
-                            .and_then(|g| u64::try_from(g).ok())
-                            .unwrap_or(0),
-                    };
-                    self.registry.put_fetched(&rec)?;
-                    let note = format!(
-                        "snapshot {name} (taken on node {from}) downloaded to node {} and verified ({} bytes in {} ms)",
-                        self.cfg.node,
-                        r.meta.size_bytes,
-                        t0.elapsed().as_millis()
-                    );
-                    info!(snapshot = %name, from = %from, bytes = r.meta.size_bytes, "fetched a snapshot from the object store");
-                    self.event(obj, false, "Fetched", note).await;
-                    rec
-                }
-            }
-        };
-        let (_, source, pulled) = self.fresh_source(obj).await?;
-        if let (Some(p), Some(want)) = (&pulled, &st.image_digest)
-            && &p.digest != want
+        // Once per node: the branches and the pool restoring it here wait for one
+        // download.
+        let lock = self.uploads.download_lock(&format!("fetch:{uid}"));
+        let _held = lock.lock().await;
+        if let Some(r) = self.registry.fetched(&uid)?
+            && store.meta(&r.image_id).is_ok()
         {
-            return Err(Error::RootfsRefused(format!(
-                "its image resolves to {} on node {}, not {want} snapshot {name} was taken with",
-                p.digest, self.cfg.node
-            )));
+            return Ok((r, None));
         }
-        Ok((rec, source))
+        let t0 = std::time::Instant::now();
+        let r = remote.download(store, &sha).await?;
+        self.metrics.transferred(
+            "download",
+            "snapshot",
+            t0.elapsed().as_secs_f64(),
+            r.meta.size_bytes,
+        );
+        let rec = SnapshotRecord {
+            namespace: snap.namespace().unwrap_or_default(),
+            name: name.clone(),
+            uid: uid.clone(),
+            image_id: r.meta.id.clone(),
+            source_commit_generation: st
+                .source_commit_generation
+                .and_then(|g| u64::try_from(g).ok())
+                .unwrap_or(0),
+        };
+        self.registry.put_fetched(&rec)?;
+        let note = format!(
+            "snapshot {name} (taken on node {from}) downloaded to node {} and verified ({} bytes in {} ms)",
+            self.cfg.node,
+            r.meta.size_bytes,
+            t0.elapsed().as_millis()
+        );
+        info!(snapshot = %name, from = %from, bytes = r.meta.size_bytes, "fetched a snapshot from the object store");
+        Ok((rec, Some(note)))
     }
 
     /// A branch whose snapshot is not in the object store yet: Ready says so (once),
@@ -165,6 +180,8 @@ impl Agent {
             if live {
                 continue;
             }
+            // A warm pool kept here from it goes first: its branches restore from it.
+            self.drop_pool_here(&rec.uid, &rec.name).await;
             let lock = self.uploads.download_lock(&format!("fetch:{}", rec.uid));
             let _held = lock.lock().await;
             self.engine.store().remove(&rec.image_id)?;

@@ -19,11 +19,13 @@ pub mod endpoint;
 mod evicted;
 mod exit;
 mod fetch;
+mod heartbeat;
 pub mod images;
 pub mod lease;
 pub mod metrics;
 mod moved;
 pub mod pods;
+mod pool_elsewhere;
 pub mod pools;
 pub mod registry;
 pub mod resume;
@@ -241,10 +243,8 @@ impl Agent {
     }
 
     fn insert_handle(&self, uid: &str, sb: LocalSandbox) -> Handle {
-        if let Some(pod) = &sb.placed.pod
-            && let Ok(mut m) = self.placed_pods.lock()
-        {
-            m.insert(uid.to_string(), pod.uid.clone());
+        if let Some(pod) = &sb.placed.pod {
+            self.place(uid, Some(&pod.uid));
         }
         let h: Handle = Arc::new(AsyncMutex::new(Some(sb)));
         if let Ok(mut m) = self.handles.lock() {
@@ -257,9 +257,7 @@ impl Agent {
     }
 
     fn take_handle(&self, uid: &str) -> Option<Handle> {
-        if let Ok(mut p) = self.placed_pods.lock() {
-            p.remove(uid);
-        }
+        self.place(uid, None);
         let mut m = self.handles.lock().ok()?;
         let h = m.remove(uid);
         self.metrics
@@ -356,6 +354,28 @@ async fn on_snapshot(obj: Arc<DeserializeGuard<SnapshotObj>>, agent: Arc<Agent>)
     r
 }
 
+/// A Snapshot of another node that may ask this node for a warm pool.
+async fn on_snapshot_elsewhere(
+    obj: Arc<DeserializeGuard<SnapshotObj>>,
+    agent: Arc<Agent>,
+) -> Result<Action> {
+    let t0 = Instant::now();
+    let r = match obj.0.as_ref() {
+        Ok(s)
+            if s.status.as_ref().and_then(|st| st.node_name.as_deref())
+                != Some(agent.cfg.node.as_str()) =>
+        {
+            let r = agent.keep_pool_elsewhere(s).await;
+            backoff::settle(&agent, "snapshot", s, r).await
+        }
+        // This node's own (its controller keeps it), or one that does not parse (that
+        // one reports it).
+        _ => Ok(Action::await_change()),
+    };
+    agent.metrics.reconciled("snapshot", t0.elapsed());
+    r
+}
+
 async fn on_branchset(obj: Arc<DeserializeGuard<BranchSet>>, agent: Arc<Agent>) -> Result<Action> {
     let t0 = Instant::now();
     let r = match admit(&obj, &agent, "commit") {
@@ -413,6 +433,13 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
         mine,
     );
+    // Other nodes' Snapshots that may ask this node for a warm pool.
+    let elsewhere_ctl = Controller::new(
+        Api::<DeserializeGuard<SnapshotObj>>::all(client.clone()),
+        watcher::Config::default()
+            .labels(&format!("{}=true", ramify_crds::LABEL_WARM_ELSEWHERE))
+            .any_semantic(),
+    );
     // Only the BranchSets whose parent runs here (the operator labels them before any
     // branch exists): an agent never holds the whole cluster's BranchSets.
     let commit_ctl = Controller::new(
@@ -444,6 +471,14 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
             agent.clone(),
         )
         .for_each(|_| futures::future::ready(()));
+    let elsewhere = elsewhere_ctl
+        .shutdown_on_signal()
+        .run(
+            on_snapshot_elsewhere,
+            backoff::error_policy("snapshot"),
+            agent.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
     let commits = commit_ctl
         .shutdown_on_signal()
         .run(on_branchset, backoff::error_policy("commit"), agent.clone())
@@ -454,8 +489,11 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let moved = tokio::spawn(agent.clone().sweep_moved());
     let fetched = tokio::spawn(agent.clone().sweep_fetched());
     let drain = tokio::spawn(agent.clone().watch_drain());
+    if agent.cfg.mode == ramify_crds::pod::Mode::Cluster {
+        tokio::spawn(agent.clone().heartbeat_pods());
+    }
     info!(node = %agent.cfg.node, "node agent controllers running");
-    tokio::join!(sandboxes, pinned, snapshots, commits);
+    tokio::join!(sandboxes, pinned, snapshots, elsewhere, commits);
     sweep.abort();
     self_forks.abort();
     image_gc.abort();

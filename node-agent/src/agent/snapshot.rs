@@ -1,6 +1,7 @@
 //! The Snapshot controller: captures a Snapshot of a sandbox running here, records
 //! its image before reporting it Ready, keeps its warm pool at the asked size (within
-//! this node's capacity), and removes the image when the Snapshot goes.
+//! this node's capacity), and removes the image when the Snapshot goes. Another node's
+//! Snapshot may ask this node for a warm pool too (`pool_elsewhere`).
 
 use std::time::Duration;
 
@@ -223,6 +224,7 @@ impl Agent {
                     want,
                     self.admission.restores.clone(),
                     group,
+                    None,
                 );
                 if let Err(e) = self.pools.replace(uid, Some(pool)).await {
                     self.cleanup_failed(snap, "close resized warm pool", &e);

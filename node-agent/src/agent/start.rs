@@ -346,7 +346,8 @@ impl Agent {
         // A warm branch has no baseline manifest, so Paths commits restore cold.
         let snap_uid = snap.uid().unwrap_or_default();
         let warm = match pod_uid {
-            _ if fetched => None,
+            // Cluster mode: a warm pool's Pods are on the snapshot's node only.
+            Some(_) if fetched => None,
             // Cluster mode: the branch living in the warm pool Pod this Sandbox
             // adopted (waiting while it is restored there).
             Some(pod_uid) => {

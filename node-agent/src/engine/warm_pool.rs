@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 impl Engine {
     /// Start a warm pool of `size` frozen branches of `snapshot`.
     pub fn warm_pool(&self, snapshot: &str, size: usize) -> WarmPool {
-        WarmPool::start(self.clone(), snapshot.to_string(), size, None)
+        WarmPool::start(self.clone(), snapshot.to_string(), size, None, None)
     }
 
     /// Cluster mode: a warm pool keeping one frozen branch of `snapshot` in each Pod
@@ -47,19 +47,22 @@ impl Engine {
     }
 
     /// [`Engine::warm_pool`] whose refills each wait for a place in `gate` (the
-    /// node's restore concurrency), queued as `group`.
+    /// node's restore concurrency), queued as `group`; on `rootfs` when the image was
+    /// taken on another node (its recorded root filesystem is that node's).
     pub fn warm_pool_gated(
         &self,
         snapshot: &str,
         size: usize,
         gate: Arc<crate::capacity::FairGate>,
         group: String,
+        rootfs: Option<crate::rootfs::RootfsSource>,
     ) -> WarmPool {
         WarmPool::start(
             self.clone(),
             snapshot.to_string(),
             size,
             Some((gate, group)),
+            rootfs,
         )
     }
 }
@@ -143,15 +146,20 @@ fn pod_of(sb: &LocalSandbox) -> Option<&str> {
     sb.placed.pod.as_ref().map(|p| p.uid.as_str())
 }
 
-/// Restores branch `index` of `snapshot` (into the Pod `pod_uid`, in cluster mode) and
-/// pauses it.
+/// Restores branch `index` of `snapshot` (into the Pod `pod_uid`, in cluster mode; on
+/// `rootfs` instead of the image's recorded one, when given) and pauses it.
 async fn restore_frozen(
     engine: &Engine,
     snapshot: &str,
     index: u32,
     pod_uid: Option<&str>,
+    rootfs: Option<&crate::rootfs::RootfsSource>,
 ) -> Result<LocalSandbox> {
     let (meta, img) = engine.verified_image(snapshot).await?;
+    let rootfs = match rootfs {
+        Some(r) => Some(r.resolve(engine.rootfs_policy()).await?),
+        None => None,
+    };
     let sb = engine
         .restore_branch(
             &meta,
@@ -159,10 +167,7 @@ async fn restore_frozen(
             &format!("warm-{index}"),
             index,
             &[],
-            super::fork::RestoreOn {
-                pod_uid,
-                rootfs: None,
-            },
+            super::fork::RestoreOn { pod_uid, rootfs },
         )
         .await?;
     if let Err(e) = crate::freezer::pause(
@@ -252,7 +257,7 @@ async fn refill_in_pods(
             )
             .await;
         let made = if supply.lives(&target.uid) {
-            restore_frozen(&engine, &snapshot, index, Some(&target.uid)).await
+            restore_frozen(&engine, &snapshot, index, Some(&target.uid), None).await
         } else {
             Err(Error::Snapshot {
                 id: snapshot.clone(),
@@ -300,14 +305,20 @@ async fn refill_in_pods(
 }
 
 impl WarmPool {
-    fn start(engine: Engine, snapshot: String, size: usize, gate: Option<RefillGate>) -> Self {
+    fn start(
+        engine: Engine,
+        snapshot: String,
+        size: usize,
+        gate: Option<RefillGate>,
+        rootfs: Option<crate::rootfs::RootfsSource>,
+    ) -> Self {
         let shared = PoolShared::new();
         let task = tokio::spawn(Self::refill_loop(
             engine.clone(),
             snapshot.clone(),
             size,
             shared.clone(),
-            gate,
+            (gate, rootfs),
         ));
         WarmPool {
             engine,
@@ -323,7 +334,7 @@ impl WarmPool {
         snapshot: String,
         size: usize,
         shared: Arc<PoolShared>,
-        gate: Option<RefillGate>,
+        (gate, rootfs): (Option<RefillGate>, Option<crate::rootfs::RootfsSource>),
     ) {
         let mut index: u32 = 0;
         loop {
@@ -365,7 +376,7 @@ impl WarmPool {
                 }
                 None => None,
             };
-            let made = restore_frozen(&engine, &snapshot, index, None).await;
+            let made = restore_frozen(&engine, &snapshot, index, None, rootfs.as_ref()).await;
             index += 1;
             match made {
                 Ok(sb) => {

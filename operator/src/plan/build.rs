@@ -24,7 +24,10 @@ pub(super) fn snapshot_for(bs: &BranchSet, name: &str, source: &str) -> Snapshot
                 sandbox: source.to_string(),
             },
             mode: SnapshotMode::Live,
-            warm_pool: bs.spec.warm_pool_size.map(|size| WarmPool { size }),
+            warm_pool: bs.spec.warm_pool_size.map(|size| WarmPool {
+                size,
+                nodes: Vec::new(),
+            }),
             ttl_seconds: None,
         },
     );

@@ -53,6 +53,7 @@ pub(super) fn fork(
             spread(
                 missing.len(),
                 ready.node.as_deref(),
+                &ready.warm_nodes,
                 cx.obs.nodes,
                 &placed,
                 usize::try_from(pl.max_branches_per_node).unwrap_or(1),
@@ -81,27 +82,35 @@ pub(super) fn fork(
     }
 }
 
-/// The node of each of `n` new branches: the snapshot's node first, then the other
-/// nodes taking work in the order given, each up to `max` branches counting those
-/// already `placed`; `None` for a branch no node has room for under `max`. Pure.
+/// The node of each of `n` new branches: the snapshot's node first, then the nodes
+/// keeping a warm pool of it (`warm`, in its order), then the other nodes taking work
+/// in the order given, each up to `max` branches counting those already `placed`;
+/// `None` for a branch no node has room for under `max`. Pure.
 pub fn spread(
     n: usize,
     snapshot_node: Option<&str>,
+    warm: &[String],
     nodes: &[String],
     placed: &[&str],
     max: usize,
 ) -> Vec<Option<String>> {
     let mut order: Vec<&str> = Vec::new();
-    // The snapshot's node restores from its local image (and its warm pool): first,
-    // when it takes work.
-    if let Some(s) = snapshot_node.filter(|s| nodes.iter().any(|n| n == s)) {
-        order.push(s);
+    // The snapshot's node restores from its local image (and its warm pool), the warm
+    // pools' nodes from frozen branches: first, when they take work.
+    for s in snapshot_node
+        .into_iter()
+        .chain(warm.iter().map(String::as_str))
+    {
+        if nodes.iter().any(|n| n == s) && !order.contains(&s) {
+            order.push(s);
+        }
     }
+    let preferred = order.clone();
     order.extend(
         nodes
             .iter()
             .map(String::as_str)
-            .filter(|n| Some(*n) != snapshot_node),
+            .filter(|n| !preferred.contains(n)),
     );
     let mut load: BTreeMap<&str, usize> = BTreeMap::new();
     for p in placed {
@@ -134,7 +143,7 @@ mod tests {
 
     #[test]
     fn twelve_over_three_nodes_four_each_snapshot_node_first() {
-        let v = got(spread(12, Some("b"), &nodes(&["a", "b", "c"]), &[], 4));
+        let v = got(spread(12, Some("b"), &[], &nodes(&["a", "b", "c"]), &[], 4));
         assert_eq!(&v[..4], &["b", "b", "b", "b"]);
         assert_eq!(v.iter().filter(|n| *n == "a").count(), 4);
         assert_eq!(v.iter().filter(|n| *n == "c").count(), 4);
@@ -142,7 +151,7 @@ mod tests {
 
     #[test]
     fn branches_beyond_the_limit_wait() {
-        let v = got(spread(5, Some("a"), &nodes(&["a", "b"]), &[], 2));
+        let v = got(spread(5, Some("a"), &[], &nodes(&["a", "b"]), &[], 2));
         assert_eq!(v, ["a", "a", "b", "b", "-"]);
     }
 
@@ -151,6 +160,7 @@ mod tests {
         let v = got(spread(
             2,
             Some("a"),
+            &[],
             &nodes(&["a", "b"]),
             &["a", "a", "b"],
             2,
@@ -161,12 +171,26 @@ mod tests {
     #[test]
     fn a_snapshot_node_not_taking_work_gets_none() {
         // Draining or gone: its branches go elsewhere.
-        let v = got(spread(2, Some("a"), &nodes(&["b"]), &[], 4));
+        let v = got(spread(2, Some("a"), &[], &nodes(&["b"]), &[], 4));
         assert_eq!(v, ["b", "b"]);
     }
 
     #[test]
+    fn the_warm_pools_nodes_come_after_the_snapshots_node_before_the_rest() {
+        // c keeps a warm pool, d is listed but takes no work.
+        let v = got(spread(
+            6,
+            Some("a"),
+            &nodes(&["d", "c"]),
+            &nodes(&["a", "b", "c"]),
+            &[],
+            2,
+        ));
+        assert_eq!(v, ["a", "a", "c", "c", "b", "b"]);
+    }
+
+    #[test]
     fn no_node_no_branch() {
-        assert_eq!(got(spread(1, Some("a"), &[], &[], 4)), ["-"]);
+        assert_eq!(got(spread(1, Some("a"), &[], &[], &[], 4)), ["-"]);
     }
 }

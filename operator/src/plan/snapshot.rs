@@ -13,6 +13,8 @@ pub(super) struct Ready<'a> {
     pub(super) parent: &'a Sandbox,
     /// The node holding the snapshot: the branches restore there.
     pub(super) node: Option<String>,
+    /// The other nodes keeping a warm pool of it (`spec.warmPool.nodes`).
+    pub(super) warm_nodes: Vec<String>,
 }
 
 /// Breaks until the snapshot is ready and the parent exists.
@@ -89,5 +91,11 @@ pub(super) fn await_snapshot<'a>(
     ControlFlow::Continue(Ready {
         parent,
         node: snap_status.node_name.clone(),
+        warm_nodes: snapshot
+            .spec
+            .warm_pool
+            .as_ref()
+            .map(|w| w.nodes.clone())
+            .unwrap_or_default(),
     })
 }
