@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
-.PHONY: demo down test crds fmt
+.PHONY: demo down test bench crds fmt
 
 demo: ## bring up the embedded default and show it
 	hack/demo.sh
@@ -9,6 +9,9 @@ down: ## stop everything `make demo` started and remove its state
 
 test: ## the whole test suite, as CI runs it
 	hack/test.sh
+
+bench: ## every benchmark in full, beside its baseline (a quiet machine; about 40 minutes)
+	hack/bench.sh
 
 crds: ## regenerate crds/yaml from the Rust types, and its copies in the chart and config/crd
 	cargo run -q -p ramify-crds --bin crdgen -- --write crds/yaml

@@ -95,8 +95,10 @@ if [[ "${1:-}" == "down" ]]; then
 fi
 
 if [[ $EUID -ne 0 ]]; then echo "the demo runs gVisor sandboxes and network namespaces: run it as root" >&2; exit 1; fi
-say "installing dependencies (Debian packages, control plane from the Go module proxy; cached after the first run)"
-hack/install-deps.sh
+say "installing what the demo needs (Debian packages, control plane, runsc, registry from the Go module proxy; cached after the first run)"
+# shellcheck source=hack/lib/cargo-target.sh
+source hack/lib/cargo-target.sh
+hack/install-deps.sh --demo
 say "building ramify (cargo build) and a current runsc (Go module proxy, cached)"
 cargo build --bins -q
 runsc_bin="$(hack/runsc/build.sh)"

@@ -6,8 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::system::{BRIDGE, SUBNET_PREFIX};
-
 /// Every path under an agent's state `dir` whose mode lets group or others in. Not
 /// checked, and not descended into: the mount points in `skip` (the sandboxes'
 /// read-only rootfs bind mounts: the administrator's root filesystem) and what a
@@ -73,7 +71,7 @@ pub(crate) fn remove_cgroup_parents(name: &str) {
 /// iptables rules that concern the e2e bridge or its subnet (every sandbox of an e2e
 /// agent has its rules tagged so; release removes them).
 pub(crate) fn bridge_rules() -> Vec<String> {
-    rules_matching(BRIDGE, SUBNET_PREFIX)
+    rules_matching(&crate::lane::bridge(), &crate::lane::subnet_prefix())
 }
 
 /// iptables rules that concern `bridge` or addresses starting with `subnet_prefix`.

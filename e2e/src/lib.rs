@@ -7,6 +7,7 @@
 
 pub mod access;
 pub mod diagnostics;
+pub mod lane;
 pub mod leftovers;
 pub mod manifests;
 pub mod node;
@@ -58,6 +59,16 @@ pub struct ApiCallError {
 pub fn api_call(what: impl Into<String>) -> impl FnOnce(kube::Error) -> ApiCallError {
     let what = what.into();
     move |source| ApiCallError { what, source }
+}
+
+/// How many runs a benchmark makes: `RAMIFY_BENCH_RUNS`, else `default` (`make test`
+/// runs each benchmark once, `make bench` in full).
+pub fn bench_runs(default: usize) -> usize {
+    std::env::var("RAMIFY_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(default)
 }
 
 /// The repository root (this crate lives in `<repo>/e2e`).

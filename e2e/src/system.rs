@@ -14,7 +14,7 @@ use ramify_crds::{BranchSet, LABEL_BRANCHSET, RootfsClass, Sandbox, SandboxPhase
 
 use crate::leftovers::{bridge_rules, cgroup_roots, remove_cgroup_parents, rules_matching};
 pub use crate::leftovers::{ip_leases, node_leftovers, node_leftovers_except, open_to_others};
-use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, repo_root};
+use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, lane, repo_root};
 
 /// A running ramify: operator + one node agent, bound to one test namespace.
 pub struct System {
@@ -59,12 +59,9 @@ pub struct ExtraNode {
     pub cgroup_parent: String,
 }
 
-/// Most extra nodes a system starts (bridges `rmye2en1`.., subnets 10.71/16..).
+/// Most extra nodes a system starts (bridges `rmye2en1`.., subnets 10.71/16.. in lane 0;
+/// see [`crate::lane`]).
 const MAX_EXTRA_NODES: usize = 8;
-
-/// The e2e agent's bridge and subnet (never shared with a demo agent).
-pub(crate) const BRIDGE: &str = "rmye2e0";
-pub(crate) const SUBNET_PREFIX: &str = "10.89.";
 
 /// The pinned current runsc (built from the Go module proxy, cached).
 pub fn runsc() -> PathBuf {
@@ -83,7 +80,7 @@ pub fn runsc() -> PathBuf {
 pub fn clean_earlier_runs() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let base = repo_root().join(".ramify/e2e");
+        let base = lane::base_dir();
         let Ok(rd) = std::fs::read_dir(&base) else {
             return;
         };
@@ -110,10 +107,10 @@ pub fn clean_earlier_runs() {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
-        remove_cgroup_parents("ramify-e2e-*");
+        remove_cgroup_parents(&format!("{}*", lane::cgroup_prefix()));
         // An extra node's bridge outlives an agent that was SIGKILLed (a failed run).
         for k in 1..=MAX_EXTRA_NODES {
-            let bridge = format!("rmye2en{k}");
+            let bridge = lane::extra_bridge(k);
             if Path::new("/sys/class/net").join(&bridge).exists() {
                 let _ = Command::new("ip").args(["link", "del", &bridge]).output();
             }
@@ -193,12 +190,10 @@ impl System {
         let suffix = &uuid::Uuid::new_v4().simple().to_string()[..6];
         let system_ns = TestNamespace::create(&client, "ramify-sys").await.unwrap();
         let ns = TestNamespace::create(&client, name).await.unwrap();
-        let base = repo_root()
-            .join(".ramify/e2e")
-            .join(format!("{name}-{suffix}"));
+        let base = lane::base_dir().join(format!("{name}-{suffix}"));
         std::fs::create_dir_all(&base).unwrap();
         let state_dir = base.join("agent");
-        let rootfs_root = repo_root().join(".ramify/e2e/roots");
+        let rootfs_root = lane::base_dir().join("roots");
         let rootfs = rootfs_root.join("busybox");
         let agent_bin = binary("ramify-node-agent").unwrap();
         busybox_rootfs(&rootfs);
@@ -246,12 +241,12 @@ impl System {
                 "127.0.0.1:0".into(),
                 // Its own bridge and subnet: never shares addresses with a demo agent.
                 "--bridge".into(),
-                BRIDGE.into(),
+                lane::bridge(),
                 "--subnet".into(),
-                format!("{SUBNET_PREFIX}0.0/16"),
+                format!("{}0.0/16", lane::subnet_prefix()),
                 // Its own cgroup parent: what is left under it is this system's.
                 "--cgroup-parent".into(),
-                format!("/ramify-e2e-{suffix}"),
+                format!("/{}{suffix}", lane::cgroup_prefix()),
                 // The mTLS endpoint ramify-api dials (any free port; the Lease says which).
                 "--endpoint-listen".into(),
                 "127.0.0.1:0".into(),
@@ -319,9 +314,9 @@ impl System {
         );
         let name = format!("{}-n{k}", self.node());
         let state_dir = self.log_dir.join(format!("agent-n{k}"));
-        let bridge = format!("rmye2en{k}");
-        let subnet_prefix = format!("10.{}.", 70 + k);
-        let cgroup_parent = format!("/ramify-e2e-{}-n{k}", self.suffix);
+        let bridge = lane::extra_bridge(k);
+        let subnet_prefix = lane::extra_subnet_prefix(k);
+        let cgroup_parent = format!("/{}{}-n{k}", lane::cgroup_prefix(), self.suffix);
         let mut agent = self
             .agent
             .clone_as(&format!("node-agent-n{k}"), &self.log_dir);
@@ -471,7 +466,7 @@ impl System {
 
     /// The cgroup every sandbox of this system's agent lives under (its ceiling).
     pub fn cgroup_parent(&self) -> String {
-        format!("ramify-e2e-{}", self.suffix)
+        format!("{}{}", lane::cgroup_prefix(), self.suffix)
     }
 
     /// The node name this system's agent announces.
@@ -830,7 +825,7 @@ spec:
         );
         self.operator.kill().unwrap();
         self.agent.kill().unwrap();
-        remove_cgroup_parents(&format!("ramify-e2e-{}", self.suffix));
+        remove_cgroup_parents(&format!("{}{}", lane::cgroup_prefix(), self.suffix));
     }
 }
 

@@ -33,7 +33,7 @@ async fn three_node_agents_on_one_machine_share_the_work_each_on_its_own_state()
     let n2 = sys.add_node().name.clone();
     let state_of = |sys: &System, node: &str| {
         if node == sys.node() {
-            (sys.state_dir.clone(), "10.89.".to_string())
+            (sys.state_dir.clone(), ramify_e2e::lane::subnet_prefix())
         } else {
             let n = sys.nodes.iter().find(|n| n.name == node).unwrap();
             (n.state_dir.clone(), n.subnet_prefix.clone())

@@ -162,6 +162,7 @@ async fn sdk_fork_bench() {
         ("RAMIFY_ROOTFS_CLASS", sys.rootfs_class.clone()),
         ("PATH", path),
     ];
-    run("python", &["bench_fork.py", "--runs", "5"], &env);
+    let runs = ramify_e2e::bench_runs(5).to_string();
+    run("python", &["bench_fork.py", "--runs", &runs], &env);
     sys.teardown_and_check_clean().await;
 }

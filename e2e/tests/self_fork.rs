@@ -307,7 +307,7 @@ async fn last_stamp(sys: &System, set: &str, path: &str) -> f64 {
 async fn self_fork_bench() {
     let _one = SERIAL.lock().await;
     let sys = System::start("selffork-bench").await;
-    let runs = 5;
+    let runs = ramify_e2e::bench_runs(5);
     let (mut inside, mut outside) = (Vec::new(), Vec::new());
     for run in 0..runs {
         // From inside: t0 just before the request, t1 right after the call returned.
@@ -456,7 +456,7 @@ while True:
 #[tokio::test]
 async fn a_python_workload_forks_four_ways_and_the_workspace_keeps_the_winners_memory() {
     let _one = SERIAL.lock().await;
-    let dir = unpack_python_rootfs(&ramify_e2e::repo_root().join(".ramify/e2e/roots"));
+    let dir = unpack_python_rootfs(&ramify_e2e::lane::base_dir().join("roots"));
     let sys = System::start("selffork-py").await;
     let class =
         ramify_e2e::system::declare_rootfs_class(&sys.client, "e2e-workspace-py", &dir).await;

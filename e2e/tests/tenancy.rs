@@ -521,7 +521,7 @@ async fn no_spec_field_reaches_the_nodes_files() {
 #[tokio::test]
 async fn an_agent_refuses_a_root_overlapping_its_state() {
     let _serial = SERIAL.lock().await;
-    let base = ramify_e2e::repo_root().join(".ramify/e2e").join(format!(
+    let base = ramify_e2e::lane::base_dir().join(format!(
         "overlap-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..6]
     ));
@@ -542,7 +542,11 @@ async fn an_agent_refuses_a_root_overlapping_its_state() {
             .arg(&root)
             .arg("--rootfs-cache")
             .arg(base.join("cache"))
-            .args(["--bridge", "rmye2e0", "--subnet", "10.89.0.0/16"])
+            .args(["--bridge", &ramify_e2e::lane::bridge()])
+            .args([
+                "--subnet",
+                &format!("{}0.0/16", ramify_e2e::lane::subnet_prefix()),
+            ])
             .env("KUBECONFIG", "/nonexistent")
             .output()
             .unwrap();

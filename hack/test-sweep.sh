@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The end of `make test`, passed or failed: what a test left on the node goes, so a failed
+# run leaves the machine as clean as a passing one. Every e2e system's node agents
+# (their sandboxes, images, netns, rules, mounts: `ramify-node-agent cleanup`), the lanes'
+# cgroup parents and bridges, and the node agent tests' leftovers (`ramify-node-agent
+# sweep`: ids of test processes that are gone). Prints what it removed.
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+agent="$repo/target/debug/ramify-node-agent"
+[[ -x "$agent" ]] || exit 0
+runsc="$("$repo/hack/runsc/build.sh" 2>/dev/null)" || runsc=runsc
+shopt -s nullglob
+for base in "$repo"/.ramify/e2e "$repo"/.ramify/e2e-lane*; do
+  for sys in "$base"/*/; do
+    agents=("$sys"agent*/)
+    ((${#agents[@]})) || continue
+    for a in "${agents[@]}"; do
+      out="$("$agent" --runsc "$runsc" cleanup --state-dir "$a" 2>&1)" && [[ -n "$out" ]] && echo "sweep: $a: $out"
+    done
+    rm -rf "$sys"
+  done
+done
+for hier in /sys/fs/cgroup /sys/fs/cgroup/*/; do
+  for c in "$hier"/ramify-e2e-* "$hier"/ramify-e2e[0-9]-*; do
+    [[ "$c" == *ramify-e2e-helm* ]] && continue
+    # Children first (a sandbox's cgroup under its parent), then the parent.
+    find "$c" -depth -type d -exec rmdir {} + 2>/dev/null && echo "sweep: cgroup $c"
+  done
+done
+for link in /sys/class/net/rmye2e*; do
+  ip link del "${link##*/}" 2>/dev/null && echo "sweep: bridge ${link##*/}"
+done
+"$agent" --runsc "$runsc" sweep --prefix ramify-test- --cgroup-parent /ramify-test 2>/dev/null | sed 's/^/sweep: /'
+exit 0
