@@ -22,6 +22,8 @@ use crate::common::{Condition, EnvVar};
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Winner","type":"string","jsonPath":".status.winner"}"#,
     printcolumn = r#"{"name":"Branches","type":"integer","jsonPath":".status.branchCount"}"#,
+    printcolumn = r#"{"name":"Admitted","type":"integer","jsonPath":".status.admitted"}"#,
+    printcolumn = r#"{"name":"Waiting","type":"integer","jsonPath":".status.waiting"}"#,
     printcolumn = r#"{"name":"Snapshot","type":"string","priority":1,"jsonPath":".status.snapshot"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
@@ -338,6 +340,17 @@ pub struct BranchSetStatus {
     /// Number of branches.
     #[serde(default)]
     pub branch_count: i32,
+    /// Branches a node admitted: started (restored), or ran and ended. Frozen once the
+    /// set ended.
+    #[serde(default)]
+    pub admitted: i32,
+    /// Branches not started that wait for room: their Sandbox waits for capacity on
+    /// its node (or, in cluster mode, for the scheduler to place its Pod), or, with
+    /// `spec.placement`, no node has room for them under `maxBranchesPerNode`. The
+    /// `Forked` condition (reason `WaitingForCapacity`) says why, with the node's
+    /// numbers. Frozen once the set ended.
+    #[serde(default)]
+    pub waiting: i32,
     /// What the commit promoted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub commit: Option<CommitStatus>,

@@ -30,6 +30,17 @@ pub const REASON_WAITING_FOR_CAPACITY: &str = "WaitingForCapacity";
 /// cannot start until a larger node joins.
 pub const REASON_EXCEEDS_ALLOCATABLE: &str = "ExceedsAllocatable";
 
+/// Reason (a BranchSet's `Forked` and `Ready` False): some of its branches wait for
+/// capacity; the message says how many are admitted, how many wait, and why in their
+/// Sandboxes' words (the node's numbers).
+pub const REASON_BRANCHES_WAITING_FOR_CAPACITY: &str = REASON_WAITING_FOR_CAPACITY;
+/// Reason (a BranchSet's `Ready` and `Forked` False, and a Warning Event): its
+/// branches can never fit on any node they may run on while its source runs (a
+/// branch asks more than a node's sandbox allocatable less what its sandboxes that are
+/// not branches hold); the set fails at once instead of waiting for its timeout. The
+/// word a Sandbox's `Scheduled` condition uses when the scheduler cannot place its Pod.
+pub const REASON_BRANCHES_UNSCHEDULABLE: &str = crate::pod::REASON_UNSCHEDULABLE;
+
 /// CPU a sandbox without `spec.resources.cpu` is accounted for (millicores).
 pub const DEFAULT_CPU_REQUEST_MILLIS: u64 = 250;
 /// Memory a sandbox without `spec.resources.memory` is accounted for (bytes).
@@ -177,6 +188,10 @@ pub fn rank_of(s: &Sandbox) -> (i64, String) {
     )
 }
 
+/// How [`waiting_message`] begins; a BranchSet quotes what follows it (`2 wait for
+/// capacity on node vm: ...`).
+pub const WAITING_FOR_CAPACITY: &str = "waiting for capacity";
+
 /// Why a sandbox waits: `waiting for capacity on node vm: 1.5 of 1.6 CPU, 0.8 of
 /// 21.5 GiB memory in use (asks 0.5 CPU, 256 MiB)`.
 pub fn waiting_message(
@@ -186,7 +201,7 @@ pub fn waiting_message(
     asks: &Requests,
 ) -> String {
     format!(
-        "waiting for capacity on node {node}: {} of {} CPU, {} of {} memory in use (asks {} CPU, {})",
+        "{WAITING_FOR_CAPACITY} on node {node}: {} of {} CPU, {} of {} memory in use (asks {} CPU, {})",
         Requests::cpu_text(used.cpu_millis),
         Requests::cpu_text(allocatable.cpu_millis),
         Requests::memory_text(used.memory_bytes),

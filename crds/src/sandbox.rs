@@ -83,6 +83,13 @@ pub struct SandboxSpec {
     /// Network policy. Egress is denied unless allowed here.
     #[serde(default)]
     pub network: Network,
+    /// Who writes `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf`: `Managed` (the
+    /// default) mounts ramify's over the image's, as the kubelet does for a container
+    /// (localhost, the sandbox's own name and address, a branch its own; a resolver its
+    /// egress policy reaches, or none so that a lookup fails at once); `Image` keeps the
+    /// image's files as they are. A branch has its source's.
+    #[serde(default, skip_serializing_if = "SystemFiles::is_managed")]
+    pub system_files: SystemFiles,
     /// Restore this sandbox from a Snapshot instead of starting it fresh. Immutable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_from: Option<RestoreFrom>,
@@ -194,6 +201,24 @@ pub struct Resources {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 64, max = 4194304))]
     pub pids: Option<i64>,
+}
+
+/// Who provides a sandbox's `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf`.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum SystemFiles {
+    /// ramify's, mounted over the image's (the default).
+    #[default]
+    Managed,
+    /// The image's, untouched.
+    Image,
+}
+
+impl SystemFiles {
+    pub fn is_managed(&self) -> bool {
+        *self == SystemFiles::Managed
+    }
 }
 
 /// Egress policy of a sandbox.

@@ -141,7 +141,9 @@ async fn every_sample_applies_and_printer_columns_show() {
     for expected in [
         vec!["NAME", "PHASE", "READY", "NODE", "RESTORED-FROM", "AGE"],
         vec!["NAME", "SOURCE", "PHASE", "READY", "SIZE", "WARM", "AGE"],
-        vec!["NAME", "PHASE", "READY", "WINNER", "BRANCHES", "AGE"],
+        vec![
+            "NAME", "PHASE", "READY", "WINNER", "BRANCHES", "ADMITTED", "WAITING", "AGE",
+        ],
     ] {
         assert!(
             headers.contains(&expected),

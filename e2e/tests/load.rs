@@ -871,3 +871,137 @@ spec:
     sys.wait_branches_gone("pick", 60).await;
     sys.teardown_and_check_clean().await;
 }
+
+/// This machine's sandbox allocatable CPU as its agent announces it (millicores).
+fn allocatable_cpu_millis() -> u64 {
+    let cores = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count() as u64;
+    cores * 1000 - 400
+}
+
+/// `replicas` branches of `source` that run until deleted.
+fn sleepers(name: &str, source: &str, replicas: u64, timeout_seconds: u64) -> String {
+    format!(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: {name}
+spec:
+  source: {{sandbox: {source}}}
+  replicas: {replicas}
+  template:
+    run: ["/bin/sh", "-c", "sleep 600"]
+  timeoutSeconds: {timeout_seconds}
+"#
+    )
+}
+
+fn condition(b: &BranchSet, type_: &str) -> Option<(String, String)> {
+    use ramify_crds::ConditionsExt;
+    b.status
+        .as_ref()
+        .and_then(|s| s.conditions.get_condition(type_))
+        .map(|c| (c.reason.clone(), c.message.clone()))
+}
+
+#[tokio::test]
+async fn a_branchset_waiting_for_capacity_says_so_and_one_that_can_never_fit_fails_at_once() {
+    use ramify_crds::capacity::{
+        REASON_BRANCHES_UNSCHEDULABLE, REASON_BRANCHES_WAITING_FOR_CAPACITY, Requests,
+    };
+    let _serial = SERIAL.lock().await;
+    // The workspace asks 500m; another set's branches take all but less than 500m of
+    // the rest (on 1.6 CPU: two, 1.5 CPU in use).
+    let (sys, _) = with_workspace("loadwait").await;
+    let alloc = allocatable_cpu_millis();
+    let busy = (alloc - 500) / 500;
+    sys.apply(&sleepers("busy", "workspace", busy, 600));
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let bs = branches(&sys, "busy").await;
+        if bs.len() as u64 == busy && bs.iter().all(undecided_running) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", sys.diagnostics());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Three more branches: none admitted; the set says so with the node's numbers.
+    sys.apply(&sleepers("three", "workspace", 3, 30));
+    let waiting = sys
+        .wait_branchset("three", "3 branches waiting for capacity", 60, |b| {
+            b.status.as_ref().is_some_and(|s| s.waiting == 3)
+                && condition(b, "Forked")
+                    .is_some_and(|(r, _)| r == REASON_BRANCHES_WAITING_FOR_CAPACITY)
+        })
+        .await;
+    let (_, forked) = condition(&waiting, "Forked").unwrap();
+    println!("Forked: {forked}");
+    assert!(
+        forked.starts_with(&format!(
+            "0 of 3 branches admitted; 3 wait for capacity on node {}: {} of {} CPU",
+            sys.node(),
+            Requests::cpu_text(500 + busy * 500),
+            Requests::cpu_text(alloc)
+        )),
+        "{forked}"
+    );
+    assert_eq!(waiting.status.as_ref().unwrap().admitted, 0);
+    let (reason, _) = condition(&waiting, "Ready").unwrap();
+    assert_eq!(reason, REASON_BRANCHES_WAITING_FOR_CAPACITY);
+    // Its timeout says no branch started, and why.
+    let done = sys.wait_branchset("three", "ended", 90, ended).await;
+    assert_eq!(
+        done.status.as_ref().unwrap().phase,
+        BranchSetPhase::Exhausted
+    );
+    let (_, message) = condition(&done, "Ready").unwrap();
+    println!("timeout: {message}");
+    assert!(
+        message.starts_with(&format!(
+            "no branch started within 30s: all 3 waited for capacity on node {}: ",
+            sys.node()
+        )),
+        "{message}"
+    );
+    sys.branchsets()
+        .delete("busy", &DeleteParams::default())
+        .await
+        .unwrap();
+    sys.wait_branches_gone("busy", 60).await;
+    sys.wait_branches_gone("three", 60).await;
+
+    // A workspace beside the source leaves less than a branch asks, for good: the set
+    // fails at once, saying why, instead of waiting for its timeout.
+    sys.apply(&fresh(&sys, "hog", &format!("{}m", alloc - 750)));
+    running(&sys, "hog").await;
+    let t0 = Instant::now();
+    sys.apply(&sleepers("never", "workspace", 2, 600));
+    let failed = sys.wait_branchset("never", "ended", 60, ended).await;
+    println!(
+        "never: ended {:.1} s after it was applied",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        failed.status.as_ref().unwrap().phase,
+        BranchSetPhase::Failed
+    );
+    let (reason, message) = condition(&failed, "Ready").unwrap();
+    println!("never: {message}");
+    assert_eq!(reason, REASON_BRANCHES_UNSCHEDULABLE);
+    assert!(
+        message.contains(&format!(
+            "node {} has {} CPU",
+            sys.node(),
+            Requests::cpu_text(alloc)
+        )) && message.contains("(the source workspace, hog)"),
+        "{message}"
+    );
+    let event = sys.event("never", REASON_BRANCHES_UNSCHEDULABLE).await;
+    assert_eq!(event.type_.as_deref(), Some("Warning"));
+    sys.wait_branches_gone("never", 60).await;
+    sys.teardown_and_check_clean().await;
+}

@@ -43,6 +43,7 @@ pub mod settings;
 pub mod spec;
 pub mod store;
 pub mod sweep;
+pub mod system_files;
 
 pub use engine::{
     CommitReport, Engine, EngineConfig, ForkOptions, LocalSandbox, Recovered, SnapshotInfo,

@@ -176,9 +176,10 @@ pub(crate) async fn put_back_address(placed: &Placed) -> Result<()> {
     let (Some(ns), Some(a)) = (&placed.netns, &placed.address) else {
         return Ok(());
     };
-    // One `ip` process for all three steps; it stops at the first that fails.
+    // One `ip` process for every step; it stops at the first that fails. Loopback
+    // first: runsc takes only interfaces that are up (see [`loopback_up`]).
     let mut batch = format!(
-        "link set eth0 up\naddr replace {}/{} dev eth0\n",
+        "link set lo up\nlink set eth0 up\naddr replace {}/{} dev eth0\n",
         a.ip, a.prefix
     );
     if let Some(gw) = a.gateway {
@@ -188,6 +189,18 @@ pub(crate) async fn put_back_address(placed: &Placed) -> Result<()> {
         .arg(format!("--net={}", ns.display()))
         .args(["--", "ip", "-batch", "-"])
         .stdin_bytes(batch)
+        .run()
+        .await?;
+    Ok(())
+}
+
+/// Brings up `lo` in the named network namespace `id`. A new namespace's loopback is
+/// down, and runsc (`--network=sandbox`) builds the sandbox's interfaces from those that
+/// are up: without this a workload has no 127.0.0.1 or ::1 (binding them fails with
+/// EADDRNOTAVAIL), so no server on localhost. The kernel gives an up `lo` both addresses.
+pub(crate) async fn loopback_up(id: &str) -> Result<()> {
+    Cmd::new("ip")
+        .args(["-n", id, "link", "set", "lo", "up"])
         .run()
         .await?;
     Ok(())
@@ -367,6 +380,7 @@ impl Standalone {
             .run()
             .await?;
         placed.netns = Some(ns.clone());
+        loopback_up(&req.id).await?;
         let add = self.cni("ADD", &req.id);
         let out = add.output().await?;
         if out.code != 0 {

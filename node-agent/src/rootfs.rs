@@ -335,5 +335,9 @@ pub fn busybox_rootfs(dest: &Path, busybox: &Path) -> Result<PathBuf> {
     }
     fs::write(dest.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n")
         .map_err(|e| Error::io("write", dest, e))?;
+    // Mount points of the files ramify provides (`crate::system_files`).
+    for f in ["hosts", "hostname", "resolv.conf"] {
+        fs::write(dest.join("etc").join(f), "").map_err(|e| Error::io("write", dest, e))?;
+    }
     Ok(dest.to_path_buf())
 }

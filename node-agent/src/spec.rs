@@ -42,6 +42,15 @@ pub struct WorkloadSpec {
     /// Absent from images recorded before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<(u32, u32)>,
+    /// `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf` are to be ramify's, mounted
+    /// over the root filesystem's (`crate::system_files`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub system_files: bool,
+    /// Which of them are mounted (by name): decided when the sandbox first starts, from
+    /// the mount points its root filesystem has, and kept with it (a restore needs the
+    /// mounts its checkpoint had). Empty in images recorded before it existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub system_file_mounts: Vec<String>,
 }
 
 impl WorkloadSpec {
@@ -75,7 +84,7 @@ pub struct BundleParams<'a> {
     pub cgroups_path: &'a str,
 }
 
-const CPU_PERIOD_US: u64 = 100_000;
+pub(crate) const CPU_PERIOD_US: u64 = 100_000;
 
 /// Build config.json. The rootfs is a read-only lower layer for every branch
 /// (runsc's overlay keeps writes in sandbox memory), so `root.readonly` is false
@@ -109,6 +118,17 @@ pub fn oci_config(w: &WorkloadSpec, p: &BundleParams<'_>) -> Value {
         "pids".into(),
         json!({"limit": w.resources.pids.unwrap_or(DEFAULT_PIDS_LIMIT) as i64}),
     );
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]}),
+        json!({"destination": CONTROL_MOUNT, "type": "bind", "source": p.control_dir, "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]}),
+    ];
+    for (name, dest) in crate::system_files::FILES {
+        if w.system_file_mounts.iter().any(|m| m == name) {
+            let source = p.control_dir.join(crate::system_files::DIR).join(name);
+            mounts.push(json!({"destination": dest, "type": "bind", "source": source, "options": ["bind", "rw", "nosuid", "nodev", "noexec"]}));
+        }
+    }
     json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -124,11 +144,7 @@ pub fn oci_config(w: &WorkloadSpec, p: &BundleParams<'_>) -> Value {
         },
         "root": {"path": p.rootfs, "readonly": false},
         "hostname": w.hostname,
-        "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
-            {"destination": CONTROL_MOUNT, "type": "bind", "source": p.control_dir, "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]}
-        ],
+        "mounts": mounts,
         "linux": {
             "namespaces": namespaces,
             "cgroupsPath": p.cgroups_path,
@@ -168,6 +184,8 @@ mod tests {
             cwd: "/".into(),
             hostname: "h".into(),
             user: None,
+            system_files: false,
+            system_file_mounts: Vec::new(),
             resources: Resources {
                 cpu_millis: Some(500),
                 memory_bytes: Some(256 << 20),

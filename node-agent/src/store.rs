@@ -496,6 +496,8 @@ mod tests {
                 cwd: "/".into(),
                 hostname: "h".into(),
                 user: None,
+                system_files: false,
+                system_file_mounts: Vec::new(),
                 resources: Resources::default(),
             },
             egress_allow: vec![],

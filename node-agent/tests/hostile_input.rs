@@ -726,6 +726,8 @@ fn snapshot_verification_does_not_follow_block_or_stream() {
             cwd: "/".into(),
             hostname: "h".into(),
             user: None,
+            system_files: false,
+            system_file_mounts: Vec::new(),
             resources: Default::default(),
         },
         egress_allow: vec![],

@@ -26,6 +26,9 @@ use crate::error::{Result, is_not_found};
 use crate::expectations;
 use crate::plan::{self, Observed};
 
+mod never_fits;
+pub use never_fits::{may_never_fit, never_fits};
+
 pub const CONTROLLER: &str = "branchset";
 
 /// Reconciles one BranchSet.
@@ -117,6 +120,16 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
     let agents = node_agents(ctx, bs, &branches).await?;
     let nodes = placement_nodes(bs, &agents);
     let lost = lost_nodes(&agents, ctx.settings.branch_node_lost_grace);
+    let cluster_mode = ctx.settings.mode == ramify_crds::pod::Mode::Cluster;
+    // Looked at only while it may decide something: standalone mode (in cluster mode
+    // the scheduler places the Pods), no winner, no branch admitted.
+    let never_fits = if cluster_mode || !may_never_fit(bs, &branches) {
+        None
+    } else {
+        let (sbx_state, _) = ctx.cache.everything();
+        let all: Vec<&Sandbox> = sbx_state.iter().filter_map(|g| g.0.as_ref().ok()).collect();
+        never_fits(bs, snapshot.as_ref(), parent.as_ref(), &agents, &all)
+    };
     let mut plan = plan::plan(&Observed {
         bs,
         snapshot: snapshot.as_ref(),
@@ -124,7 +137,8 @@ async fn reconcile_branchset(bs: &BranchSet, ctx: &Context) -> Result<Action> {
         branches: &branches,
         nodes: &nodes,
         lost_nodes: &lost,
-        cluster_mode: ctx.settings.mode == ramify_crds::pod::Mode::Cluster,
+        cluster_mode,
+        never_fits: never_fits.as_deref(),
         now: Timestamp::now(),
     });
 
@@ -679,7 +693,7 @@ fn set_effect(
 mod tests {
     use super::*;
 
-    fn set(phase: &str, branches: &[(&str, &str)]) -> BranchSet {
+    pub(super) fn set(phase: &str, branches: &[(&str, &str)]) -> BranchSet {
         let branches: Vec<_> = branches
             .iter()
             .map(|(name, phase)| serde_json::json!({"name": name, "sandbox": format!("bs-{name}"), "phase": phase}))
@@ -693,7 +707,7 @@ mod tests {
         .unwrap()
     }
 
-    fn sandbox(name: &str) -> Sandbox {
+    pub(super) fn sandbox(name: &str) -> Sandbox {
         serde_json::from_value(serde_json::json!({
             "apiVersion": "ramify.dev/v1alpha1", "kind": "Sandbox",
             "metadata": {"name": name, "namespace": "ns"},
@@ -702,7 +716,7 @@ mod tests {
         .unwrap()
     }
 
-    fn agent(node: &str, gone_for: Option<u64>) -> crate::nodes::NodeAgent {
+    pub(super) fn agent(node: &str, gone_for: Option<u64>) -> crate::nodes::NodeAgent {
         crate::nodes::NodeAgent {
             node: node.into(),
             live: gone_for.is_none(),

@@ -10,9 +10,148 @@
 //! nothing until it resumes.
 
 use ramify_crds::capacity::{self as cap, Requests, Waiting, group_of, rank_of};
-use ramify_crds::{Sandbox, SandboxPhase, Snapshot, SnapshotPhase};
+use ramify_crds::{
+    Condition, ConditionStatus, ConditionsExt, Sandbox, SandboxPhase, Snapshot, SnapshotPhase,
+};
 
 use crate::nodes::NodeAgent;
+
+/// Why a Sandbox not started yet waits for room, in its own words: its `Ready`
+/// condition (the node agent's: bound, not admitted) or, when it has none, its
+/// `Scheduled` condition (the operator's: not bound; in cluster mode, its Pod not
+/// placed by the scheduler), when that is `False` for capacity
+/// ([`cap::REASON_WAITING_FOR_CAPACITY`], [`cap::REASON_EXCEEDS_ALLOCATABLE`],
+/// [`ramify_crds::pod::REASON_UNSCHEDULABLE`]). `None`: it started, ended, is being
+/// deleted, or waits for something else (an image, a restore slot, its Pod's
+/// container).
+pub fn waits_for_room(s: &Sandbox) -> Option<&Condition> {
+    let st = s.status.as_ref()?;
+    if s.metadata.deletion_timestamp.is_some()
+        || st.phase != SandboxPhase::Pending
+        || st.sandbox_id.is_some()
+    {
+        return None;
+    }
+    // The agent's condition is the later word once it looked at the sandbox.
+    let said = st
+        .conditions
+        .get_condition(cap::CONDITION_READY)
+        .or_else(|| st.conditions.get_condition(cap::CONDITION_SCHEDULED))?;
+    (said.status == ConditionStatus::False
+        && [
+            cap::REASON_WAITING_FOR_CAPACITY,
+            cap::REASON_EXCEEDS_ALLOCATABLE,
+            ramify_crds::pod::REASON_UNSCHEDULABLE,
+        ]
+        .contains(&said.reason.as_str()))
+    .then_some(said)
+}
+
+/// Whether a branch's node admitted it: it started (or is being started), or it ran
+/// and reported on its run.
+pub fn admitted(s: &Sandbox) -> bool {
+    started(s)
+        || s.status.as_ref().is_some_and(|st| {
+            st.branch
+                .as_ref()
+                .is_some_and(|b| b.verdict.is_some() || b.fork_millis.is_some())
+        })
+}
+
+/// Why branches asking `asks` can never run on any of `nodes` (each with its
+/// allocatable) while what is there besides branches keeps running: on every node,
+/// `asks` exceeds the allocatable less what the sandboxes placed there that are not
+/// branches hold, the set's own `source` among them even when it is a branch (a
+/// nested set's parent runs as long as the set does). Other branches (other sets',
+/// decided or not) end; they never make a set unschedulable, nor do warm pools (their
+/// memory may be this set's own branches'). `None` when some node could take a branch
+/// once other branches ended, or no node is given.
+pub fn never_fits(
+    asks: &Requests,
+    nodes: &[(&str, Requests)],
+    sandboxes: &[&Sandbox],
+    source: Option<&Sandbox>,
+) -> Option<String> {
+    if nodes.is_empty() {
+        return None;
+    }
+    let is_source = |s: &Sandbox| {
+        source.is_some_and(|src| {
+            s.metadata.namespace == src.metadata.namespace && s.metadata.name == src.metadata.name
+        })
+    };
+    let mut why = Vec::with_capacity(nodes.len());
+    for (node, alloc) in nodes {
+        let mut held = Requests::ZERO;
+        // (not the source, name): the source sorts first.
+        let mut holders: Vec<(bool, String)> = Vec::new();
+        for &s in sandboxes {
+            let branch = s
+                .spec
+                .restore_from
+                .as_ref()
+                .is_some_and(|r| r.branch.is_some());
+            let source = is_source(s);
+            if placed_on(s) != Some(*node)
+                || s.metadata.deletion_timestamp.is_some()
+                || (branch && !source)
+            {
+                continue;
+            }
+            let h = holds(s);
+            if h == Requests::ZERO {
+                continue;
+            }
+            held = held.plus(&h);
+            holders.push((!source, s.metadata.name.clone().unwrap_or_default()));
+        }
+        let room = alloc.minus(&held);
+        if asks.fits_in(&room) {
+            return None;
+        }
+        let total = format!(
+            "node {node} has {} CPU, {} for sandboxes",
+            Requests::cpu_text(alloc.cpu_millis),
+            Requests::memory_text(alloc.memory_bytes),
+        );
+        why.push(if held == Requests::ZERO {
+            format!("{total} in all")
+        } else {
+            // The source first, then by name; a few named.
+            holders.sort();
+            const NAMED: usize = 3;
+            let more = holders.len().saturating_sub(NAMED);
+            let mut names = holders
+                .iter()
+                .take(NAMED)
+                .map(|(other, name)| {
+                    if *other {
+                        name.clone()
+                    } else {
+                        format!("the source {name}")
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            if more > 0 {
+                names.push_str(&format!(" and {more} more"));
+            }
+            format!(
+                "{total}, of which sandboxes that are not branches ({names}) hold {} CPU, {}, leaving {} CPU, {} for branches",
+                Requests::cpu_text(held.cpu_millis),
+                Requests::memory_text(held.memory_bytes),
+                Requests::cpu_text(room.cpu_millis),
+                Requests::memory_text(room.memory_bytes),
+            )
+        });
+    }
+    Some(format!(
+        "each branch asks {} CPU, {}; {}",
+        Requests::cpu_text(asks.cpu_millis),
+        Requests::memory_text(asks.memory_bytes),
+        why.join("; ")
+    ))
+}
 
 /// What the operator may do with a Sandbox waiting to be bound.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -481,6 +620,175 @@ mod tests {
         let with_huge = [&all[0], &huge, &small];
         assert!(look(&with_huge, &a).everyone_fits(&small));
         assert_eq!(look(&with_huge, &a).in_order(&small), Decision::Bind);
+    }
+
+    fn said(mut s: Sandbox, type_: &str, reason: &str, message: &str) -> Sandbox {
+        s.status
+            .get_or_insert_with(Default::default)
+            .conditions
+            .set_condition(
+                Condition::new(type_, ConditionStatus::False, reason, message, None),
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ),
+            );
+        s
+    }
+
+    #[test]
+    fn a_sandbox_waiting_for_room_is_read_from_its_own_words() {
+        let msg = cap::waiting_message("vm", &alloc(), &alloc(), &alloc());
+        // Bound, not admitted by its node agent.
+        let agent_says = said(
+            branch("bs", 1, json!({"phase": "Pending", "nodeName": "vm"})),
+            cap::CONDITION_READY,
+            cap::REASON_WAITING_FOR_CAPACITY,
+            &msg,
+        );
+        assert_eq!(
+            waits_for_room(&agent_says).map(|c| c.message.as_str()),
+            Some(msg.as_str())
+        );
+        assert!(!admitted(&agent_says));
+        // Not bound (the operator's words), or its Pod not placed (the scheduler's).
+        for reason in [
+            cap::REASON_WAITING_FOR_CAPACITY,
+            cap::REASON_EXCEEDS_ALLOCATABLE,
+            ramify_crds::pod::REASON_UNSCHEDULABLE,
+        ] {
+            let s = said(
+                branch("bs", 1, json!({"phase": "Pending"})),
+                cap::CONDITION_SCHEDULED,
+                reason,
+                "x",
+            );
+            assert!(waits_for_room(&s).is_some(), "{reason}");
+        }
+        // The agent's later word wins: admitted, it pulls (or waits for its Pod).
+        let pulling = said(
+            said(
+                branch("bs", 1, json!({"phase": "Pending"})),
+                cap::CONDITION_SCHEDULED,
+                cap::REASON_WAITING_FOR_CAPACITY,
+                "x",
+            ),
+            cap::CONDITION_READY,
+            ramify_crds::pod::REASON_WAITING_FOR_POD,
+            "y",
+        );
+        assert!(waits_for_room(&pulling).is_none());
+        // Started, being deleted: not waiting.
+        let mut started = agent_says.clone();
+        started.status.as_mut().unwrap().sandbox_id = Some("id".into());
+        assert!(waits_for_room(&started).is_none());
+        assert!(admitted(&started));
+        let mut deleting = agent_says.clone();
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ));
+        assert!(waits_for_room(&deleting).is_none());
+        // A branch that ran and reported (frozen, decided) was admitted.
+        let decided = branch(
+            "bs",
+            2,
+            json!({"phase": "Pending", "branch": {"verdict": "Abort"}}),
+        );
+        assert!(admitted(&decided));
+    }
+
+    fn node(cpu: u64) -> Requests {
+        Requests {
+            cpu_millis: cpu,
+            memory_bytes: 8 << 30,
+        }
+    }
+
+    fn asks(cpu: u64) -> Requests {
+        Requests {
+            cpu_millis: cpu,
+            memory_bytes: 256 << 20,
+        }
+    }
+
+    #[test]
+    fn branches_never_fit_only_when_what_is_not_a_branch_leaves_them_no_room() {
+        let ws = sbx("ws", "1", json!({"phase": "Running", "nodeName": "vm"}));
+        let nodes = [("vm", node(1600))];
+        // A 1-CPU source on a 1.6-CPU node: a 1-CPU branch never fits beside it.
+        assert_eq!(
+            never_fits(&asks(1000), &nodes, &[&ws], Some(&ws)).as_deref(),
+            Some(
+                "each branch asks 1 CPU, 256 MiB; node vm has 1.6 CPU, 8.0 GiB for sandboxes, of which sandboxes that are not branches (the source ws) hold 1 CPU, 256 MiB, leaving 0.6 CPU, 7.8 GiB for branches"
+            )
+        );
+        // A 500m branch does, once other sets' branches end, however many run now.
+        let small = sbx("ws", "500m", json!({"phase": "Running", "nodeName": "vm"}));
+        let others: Vec<Sandbox> = (0..3)
+            .map(|i| branch("other", i, json!({"phase": "Running", "nodeName": "vm"})))
+            .collect();
+        let mut all: Vec<&Sandbox> = others.iter().collect();
+        all.push(&small);
+        assert_eq!(never_fits(&asks(500), &nodes, &all, Some(&small)), None);
+        // Other workspaces stay: with a 700m one beside the 500m source, 400m is left.
+        let hog = sbx("hog", "700m", json!({"phase": "Running", "nodeName": "vm"}));
+        all.push(&hog);
+        let m = never_fits(&asks(500), &nodes, &all, Some(&small)).unwrap();
+        assert!(
+            m.contains("(the source ws, hog) hold 1.2 CPU, 512 MiB, leaving 0.4 CPU"),
+            "{m}"
+        );
+        // ... unless it is being deleted, suspended, or on another node.
+        let mut going = hog.clone();
+        going.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ));
+        let asleep = sbx(
+            "hog",
+            "700m",
+            json!({"phase": "Suspended", "nodeName": "vm"}),
+        );
+        let elsewhere = sbx("hog", "700m", json!({"phase": "Running", "nodeName": "n2"}));
+        for h in [&going, &asleep, &elsewhere] {
+            assert_eq!(
+                never_fits(&asks(500), &nodes, &[&small, h], Some(&small)),
+                None
+            );
+        }
+        // Any node with room is enough; every node is named when none has.
+        let two = [("vm", node(1600)), ("big", node(4000))];
+        assert_eq!(never_fits(&asks(1000), &two, &[&ws], Some(&ws)), None);
+        let m = never_fits(&asks(5000), &two, &[&ws], Some(&ws)).unwrap();
+        assert!(
+            m.contains("node vm has 1.6 CPU, 8.0 GiB for sandboxes, of which")
+                && m.contains("; node big has 4 CPU, 8.0 GiB for sandboxes in all"),
+            "{m}"
+        );
+        // Memory counts as CPU does.
+        let fat = Requests {
+            cpu_millis: 100,
+            memory_bytes: 9 << 30,
+        };
+        assert!(never_fits(&fat, &nodes, &[], None).is_some());
+        // No node to look at: nothing can be told.
+        assert_eq!(never_fits(&asks(1000), &[], &[&ws], Some(&ws)), None);
+    }
+
+    #[test]
+    fn a_nested_sets_source_is_a_branch_and_holds_its_room_while_the_set_runs() {
+        // The parent of a nested set is a branch of another set: it runs as long as
+        // the nested set does.
+        let mut parent = branch("outer", 0, json!({"phase": "Running", "nodeName": "vm"}));
+        parent.spec.resources = Some(ramify_crds::Resources {
+            cpu: Some("1200m".into()),
+            memory: Some("256Mi".into()),
+            pids: None,
+        });
+        let nodes = [("vm", node(1600))];
+        assert!(never_fits(&asks(500), &nodes, &[&parent], Some(&parent)).is_some());
+        // Another set's branch of the same size is no source: it ends.
+        assert_eq!(never_fits(&asks(500), &nodes, &[&parent], None), None);
     }
 
     #[test]

@@ -116,6 +116,7 @@ mod tests {
                 working_dir: None,
                 resources: None,
                 network: Default::default(),
+                system_files: Default::default(),
                 restore_from: None,
                 node_name: None,
                 allow_snapshot_with_secrets: false,

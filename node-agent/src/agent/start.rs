@@ -48,6 +48,8 @@ pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
         cwd: sbx.spec.working_dir.clone().unwrap_or_else(|| "/".into()),
         hostname: sbx.name_any().chars().take(63).collect(),
         user: None,
+        system_files: sbx.spec.system_files.is_managed(),
+        system_file_mounts: Vec::new(),
         resources: Resources {
             cpu_millis: res.cpu.as_deref().and_then(cpu_millis),
             memory_bytes: res.memory.as_deref().and_then(memory_bytes),

@@ -100,6 +100,8 @@ impl Engine {
                 cwd: "/".into(),
                 hostname: String::new(),
                 user: None,
+                system_files: false,
+                system_file_mounts: Vec::new(),
                 resources: Default::default(),
             },
             egress_allow: vec![],

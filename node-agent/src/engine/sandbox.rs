@@ -106,6 +106,16 @@ impl Engine {
                 crate::spec::CONTROL_MOUNT
             )));
         }
+        // A fresh sandbox mounts the system files its root has mount points for; a
+        // restore the ones its checkpoint had.
+        let mut workload = workload;
+        if snapshot.is_none() {
+            workload.system_file_mounts = if workload.system_files {
+                crate::system_files::mount_points(rootfs.path())
+            } else {
+                Vec::new()
+            };
+        }
         let id = self.new_id();
         let dir = self.inner.cfg.state_dir.join("sandboxes").join(&id);
         crate::private::dir_all(&dir.join("runsc-root"))?;
@@ -182,6 +192,16 @@ impl Engine {
             }
             control::write_identity(&sb.control_dir(), &sb.identity)
                 .map_err(|e| Error::io("write identity", sb.control_dir(), e))?;
+            if !sb.workload.system_file_mounts.is_empty() {
+                let host = sb
+                    .identity
+                    .hostname
+                    .as_deref()
+                    .unwrap_or(&sb.workload.hostname);
+                let addr = sb.placed.address.as_ref().map(|a| a.ip);
+                crate::system_files::write(&sb.control_dir(), host, addr, &sb.egress_allow)
+                    .map_err(|e| Error::io("write /etc files", sb.control_dir(), e))?;
+            }
             let cfg = spec::oci_config(
                 &sb.workload,
                 &BundleParams {
@@ -200,17 +220,14 @@ impl Engine {
         Ok(sb)
     }
 
-    /// Restores `sb` (placed: its netns and cgroup made) from image directory `img`.
+    /// Restores `sb` (placed: its netns and cgroup made) from image directory `img`, at
+    /// the node's speed (see `unthrottled`).
     pub(super) async fn restore_placed(
         &self,
         sb: &LocalSandbox,
         img: &std::path::Path,
     ) -> Result<()> {
-        self.inner.placement.before_start(&sb.placed).await?;
-        self.inner
-            .runsc
-            .restore(&sb.ctx, &sb.bundle_dir(), img)
-            .await
+        self.restore_unthrottled(sb, img).await?.restore()
     }
 
     /// Start a fresh sandbox.

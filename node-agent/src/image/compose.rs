@@ -155,8 +155,14 @@ fn copy_file(
 /// read-only lower root (the boot fails with "error reading mounts file").
 pub const MOUNT_POINTS: &[&str] = &["proc", "sys", "dev", "tmp", "run/ramify"];
 
+/// File mount points (`crate::system_files`): created empty (0644) when the image lacks
+/// them. One the image has as a symlink is left as it is (ramify's file is then not
+/// mounted there).
+pub const FILE_MOUNT_POINTS: &[&str] = &["etc/hosts", "etc/hostname", "etc/resolv.conf"];
+
 /// Makes `target`'s own mode 0755 (the composed root; the staging dir was 0700) and
-/// adds the missing [`MOUNT_POINTS`] (never through a symlink the image put there).
+/// adds the missing [`MOUNT_POINTS`] and [`FILE_MOUNT_POINTS`] (never through a symlink
+/// the image put there).
 pub fn finish_root(target: &Path) -> Result<(), String> {
     let t = fsat::open_root(target).map_err(|e| format!("open {}: {e}", target.display()))?;
     rustix::fs::fchmod(&t, Mode::from_raw_mode(0o755)).map_err(|e| format!("chmod root: {e}"))?;
@@ -168,6 +174,24 @@ pub fn finish_root(target: &Path) -> Result<(), String> {
             // then fail to start, saying so).
             Err(ParentError::NotADir(_) | ParentError::Missing(_)) => {}
             Err(ParentError::Io(e)) => return Err(format!("mount point /{m}: {e}")),
+        }
+    }
+    for m in FILE_MOUNT_POINTS {
+        let mut comps = fsat::clean(Path::new(m)).map_err(|e| format!("mount point {e}"))?;
+        let Some(name) = comps.pop() else { continue };
+        let dir = match fsat::open_dir(&t, &comps, true) {
+            Ok(d) => d,
+            Err(ParentError::NotADir(_) | ParentError::Missing(_)) => continue,
+            Err(ParentError::Io(e)) => return Err(format!("mount point /{m}: {e}")),
+        };
+        match rustix::fs::openat(
+            &dir,
+            name.as_os_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        ) {
+            Ok(_) | Err(Errno::EXIST) => {}
+            Err(e) => return Err(format!("mount point /{m}: {e}")),
         }
     }
     Ok(())

@@ -118,6 +118,9 @@ pub async fn rootfs() -> PathBuf {
                 }
             }
             std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+            for f in ["hosts", "hostname", "resolv.conf"] {
+                std::fs::write(root.join("etc").join(f), "").unwrap();
+            }
             std::fs::write(root.join("work/seed.txt"), "seed\n").unwrap();
             std::fs::write(root.join("work/keep.txt"), "keep\n").unwrap();
             root
@@ -231,6 +234,8 @@ impl Harness {
             cwd: "/".into(),
             hostname: "sandbox".into(),
             user: None,
+            system_files: true,
+            system_file_mounts: Vec::new(),
             resources: Resources {
                 cpu_millis: Some(1000),
                 memory_bytes: Some(512 << 20),

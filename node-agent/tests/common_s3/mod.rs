@@ -90,6 +90,8 @@ pub fn meta(id: &str) -> SnapshotMeta {
             cwd: "/".into(),
             hostname: "h".into(),
             user: None,
+            system_files: false,
+            system_file_mounts: Vec::new(),
             resources: Resources::default(),
         },
         egress_allow: vec![],

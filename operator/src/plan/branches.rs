@@ -1,15 +1,230 @@
-//! Observe the branches: each branch's status from its sandbox, and whether all of
-//! them are running yet (`Forked`); fail those whose node agent is gone for good.
+//! Observe the branches: each branch's status from its sandbox, how many a node
+//! admitted and how many wait for room (and why, in their Sandboxes' words), and
+//! whether all of them are running yet (`Forked`); fail the set at once when its
+//! branches can never fit; fail the branches whose node agent is gone for good.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 
-use ramify_crds::capacity::CONDITION_READY;
+use k8s_openapi::jiff::Timestamp;
+use ramify_crds::capacity::{
+    CONDITION_READY, REASON_BRANCHES_UNSCHEDULABLE, REASON_BRANCHES_WAITING_FOR_CAPACITY,
+    WAITING_FOR_CAPACITY,
+};
 use ramify_crds::{
     BranchPhase, BranchSetPhase, BranchSetStatus, BranchStatus, ConditionsExt, REASON_NODE_LOST,
     Sandbox, SandboxPhase, SandboxStatus, VerdictValue,
 };
 
-use super::{Ctx, FORKED, LostBranch, Note, Plan, branch_sandbox_name, elapsed, set};
+use super::{Ctx, FORKED, LostBranch, Note, Plan, branch_sandbox_name, elapsed, fail, set};
+
+/// What a plan saw of its branches' way to a node's room.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Admission {
+    /// Branches a node admitted: started (restored), or ran and ended.
+    pub admitted: usize,
+    /// Branches not started whose Sandbox waits for capacity (its node's room; in
+    /// cluster mode, the scheduler's placement of its Pod).
+    pub for_capacity: usize,
+    /// Why, in the words of the waiting branch Sandbox that said it last (its node's
+    /// numbers: [`ramify_crds::capacity::waiting_message`]).
+    pub why: Option<String>,
+    /// Branches not created: no node has room for them under
+    /// `spec.placement.maxBranchesPerNode`.
+    pub for_node: usize,
+}
+
+impl Admission {
+    /// Branches that wait, for capacity or for a node.
+    pub fn waiting(&self) -> usize {
+        self.for_capacity + self.for_node
+    }
+
+    /// `1 of 3 branches admitted; 2 wait for capacity on node vm: 1.25 of 1.6 CPU, ...
+    /// in use (asks 0.5 CPU, 256 MiB)`: the `Forked` message while branches wait.
+    pub fn message(&self, branches: usize) -> String {
+        let mut parts = vec![format!("{} of {branches} branches admitted", self.admitted)];
+        if self.for_capacity > 0 {
+            parts.push(format!(
+                "{} wait for capacity{}",
+                self.for_capacity,
+                self.why_text()
+            ));
+        }
+        if self.for_node > 0 {
+            parts.push(format!("{} {PLACEMENT_WAIT}", self.for_node));
+        }
+        parts.join("; ")
+    }
+
+    /// Why a set without a winner timed out: `no branch started within 180s: all 3
+    /// waited for capacity on node vm: ...` when no branch was ever admitted, else `no
+    /// branch committed within 180s` (and how many never started, and why).
+    pub fn timeout_message(&self, branches: usize, timeout_seconds: i32) -> String {
+        let mut waited = Vec::new();
+        let of = |n: usize| match (n == branches, branches) {
+            (true, 1) => "the branch".to_string(),
+            (true, _) => format!("all {n}"),
+            (false, _) => format!("{n} of {branches}"),
+        };
+        if self.for_capacity > 0 {
+            waited.push(format!(
+                "{} waited for capacity{}",
+                of(self.for_capacity),
+                self.why_text()
+            ));
+        }
+        if self.for_node > 0 {
+            waited.push(format!(
+                "{} waited for a node with room under spec.placement.maxBranchesPerNode",
+                of(self.for_node)
+            ));
+        }
+        match (self.admitted, waited.is_empty()) {
+            (0, true) => format!("no branch started within {timeout_seconds}s"),
+            (0, false) => format!(
+                "no branch started within {timeout_seconds}s: {}",
+                waited.join("; ")
+            ),
+            (_, true) => format!("no branch committed within {timeout_seconds}s"),
+            (_, false) => format!(
+                "no branch committed within {timeout_seconds}s; never started: {}",
+                waited.join("; ")
+            ),
+        }
+    }
+
+    /// What follows `wait for capacity`: ` on node vm: ...` for a node's numbers, `:
+    /// <message>` for other words (a Pod the scheduler cannot place).
+    fn why_text(&self) -> String {
+        match self.why.as_deref() {
+            None => String::new(),
+            Some(m) => match m.strip_prefix(WAITING_FOR_CAPACITY) {
+                Some(rest) if rest.starts_with(' ') => rest.to_string(),
+                _ => format!(": {m}"),
+            },
+        }
+    }
+}
+
+/// What branches no node has room for under `spec.placement` do.
+const PLACEMENT_WAIT: &str = "wait for a node with room under spec.placement.maxBranchesPerNode";
+
+/// Whether a branch was ever admitted by a node: its Sandbox started (or ran and
+/// reported), or its status says it ran.
+pub(super) fn ran(b: &BranchStatus, sbx: Option<&Sandbox>) -> bool {
+    sbx.is_some_and(crate::capacity::admitted)
+        || b.verdict.is_some()
+        || b.fork_millis.is_some()
+        || matches!(
+            b.phase,
+            BranchPhase::Running
+                | BranchPhase::Succeeded
+                | BranchPhase::Won
+                | BranchPhase::Conflict
+        )
+}
+
+/// The branches' admission, from their recorded statuses and Sandboxes.
+fn admission(cx: &Ctx<'_>, branches: &[BranchStatus], for_node: usize) -> Admission {
+    let mut a = Admission {
+        for_node,
+        ..Default::default()
+    };
+    let mut last_word: Option<(Option<Timestamp>, &str)> = None;
+    for b in branches {
+        let sbx = cx.by_branch.get(b.name.as_str()).copied();
+        if ran(b, sbx) {
+            a.admitted += 1;
+            continue;
+        }
+        if !matches!(b.phase, BranchPhase::Pending | BranchPhase::Forking) {
+            continue;
+        }
+        let Some(said) = sbx.and_then(crate::capacity::waits_for_room) else {
+            continue;
+        };
+        a.for_capacity += 1;
+        // The latest word has the latest numbers; ties go to the lowest index.
+        let at = said.last_transition_time.as_ref().map(|t| t.0);
+        if last_word.is_none_or(|(t, _)| at > t) {
+            last_word = Some((at, said.message.as_str()));
+        }
+    }
+    a.why = last_word.map(|(_, m)| m.to_string());
+    a
+}
+
+/// Ends the set at once (`Failed`, reason [`REASON_BRANCHES_UNSCHEDULABLE`], a Warning
+/// Event) when the reconciler found its branches can never fit (`never_fits`) and no
+/// branch of it was ever admitted; its branch Sandboxes go, retained or not (nothing
+/// of them ran). A set one of whose branches ran goes on: it fitted once.
+pub(super) fn unschedulable(
+    cx: &Ctx<'_>,
+    p: &mut Plan,
+    old: &BTreeMap<String, BranchStatus>,
+) -> ControlFlow<()> {
+    let Some(why) = cx.obs.never_fits else {
+        return ControlFlow::Continue(());
+    };
+    if p.status.winner.is_some() {
+        return ControlFlow::Continue(());
+    }
+    let branches: Vec<BranchStatus> = cx
+        .names
+        .iter()
+        .map(|b| {
+            branch_status(
+                b,
+                old.get(b),
+                cx.by_branch.get(b.as_str()).copied(),
+                &cx.name,
+            )
+        })
+        .collect();
+    if branches
+        .iter()
+        .any(|b| ran(b, cx.by_branch.get(b.name.as_str()).copied()))
+    {
+        return ControlFlow::Continue(());
+    }
+    let message = format!("the branches can never fit on a node: {why}");
+    fail(
+        p,
+        REASON_BRANCHES_UNSCHEDULABLE,
+        message.clone(),
+        cx.generation,
+        cx.now,
+    );
+    set(
+        &mut p.status,
+        FORKED,
+        false,
+        REASON_BRANCHES_UNSCHEDULABLE,
+        message.clone(),
+        cx.generation,
+        cx.now,
+    );
+    p.status.branches = branches
+        .into_iter()
+        .map(|mut b| {
+            if matches!(b.phase, BranchPhase::Pending | BranchPhase::Forking) {
+                b.phase = BranchPhase::Invalidated;
+                b.reason = message.clone();
+            }
+            b
+        })
+        .collect();
+    p.status.admitted = 0;
+    p.status.waiting = 0;
+    for sbx in cx.by_branch.values() {
+        if sbx.metadata.deletion_timestamp.is_none() {
+            p.delete_branches
+                .push(sbx.metadata.name.clone().unwrap_or_default());
+        }
+    }
+    ControlFlow::Break(())
+}
 
 /// The branches as the last reconcile recorded them, by name.
 pub(super) fn recorded(status: &BranchSetStatus) -> BTreeMap<String, BranchStatus> {
@@ -44,6 +259,9 @@ pub(super) fn observe_branches(
         .branches
         .iter()
         .all(|b| !matches!(b.phase, BranchPhase::Pending | BranchPhase::Forking));
+    p.admission = admission(cx, &p.status.branches, p.waiting_for_node);
+    p.status.admitted = i32::try_from(p.admission.admitted).unwrap_or(i32::MAX);
+    p.status.waiting = i32::try_from(p.admission.waiting()).unwrap_or(i32::MAX);
     p.status.phase = if all_running {
         BranchSetPhase::Running
     } else {
@@ -73,12 +291,21 @@ pub(super) fn observe_branches(
             reason: "Forked",
             message: format!("{} branches running from snapshot {snap_name}", names.len()),
         });
+    } else if !all_running && p.admission.for_capacity > 0 {
+        let msg = p.admission.message(names.len());
+        set(
+            &mut p.status,
+            FORKED,
+            false,
+            REASON_BRANCHES_WAITING_FOR_CAPACITY,
+            msg,
+            generation,
+            now,
+        );
     } else if !all_running {
         let msg = match p.waiting_for_node {
             0 => "restoring branches".to_string(),
-            n => format!(
-                "restoring branches; {n} wait for a node with room under spec.placement.maxBranchesPerNode"
-            ),
+            n => format!("restoring branches; {n} {PLACEMENT_WAIT}"),
         };
         set(
             &mut p.status,

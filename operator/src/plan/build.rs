@@ -71,6 +71,8 @@ pub(super) fn branch_sandbox(
         working_dir: parent.spec.working_dir.clone(),
         resources: parent.spec.resources.clone(),
         network: parent.spec.network.clone(),
+        // What the branch's snapshot recorded decides its mounts; this says the same.
+        system_files: parent.spec.system_files,
         restore_from: Some(RestoreFrom {
             snapshot: snapshot.to_string(),
             branch: Some(BranchRef {

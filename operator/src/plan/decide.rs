@@ -4,6 +4,7 @@
 use std::ops::ControlFlow;
 use std::time::Duration;
 
+use ramify_crds::capacity::REASON_BRANCHES_WAITING_FOR_CAPACITY;
 use ramify_crds::{ANNOTATION_ABORT, BranchPhase, BranchStatus, Policy, VerdictValue};
 
 use super::{Ctx, DECIDED, Note, Plan, READY, elapsed, exhaust, finish_cleanup, node_lost, set};
@@ -74,12 +75,11 @@ pub(super) fn decide(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<(), String> {
             exhaust(p, why, generation, now);
             finish_cleanup(cx, p);
         } else if now > deadline {
-            exhaust(
-                p,
-                format!("no branch committed within {}s", bs.spec.timeout_seconds),
-                generation,
-                now,
-            );
+            // Says whether any branch ever started, and why the others did not.
+            let why = p
+                .admission
+                .timeout_message(names.len(), bs.spec.timeout_seconds);
+            exhaust(p, why, generation, now);
             finish_cleanup(cx, p);
         } else {
             set(
@@ -91,15 +91,19 @@ pub(super) fn decide(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<(), String> {
                 generation,
                 now,
             );
-            set(
-                &mut p.status,
-                READY,
-                false,
-                "Running",
-                "waiting for a branch to commit".into(),
-                generation,
-                now,
-            );
+            // Branches waiting for capacity: said here too, not only in `Forked`.
+            let (reason, why) = if p.admission.for_capacity > 0 {
+                (
+                    REASON_BRANCHES_WAITING_FOR_CAPACITY,
+                    format!(
+                        "waiting for a branch to commit; {}",
+                        p.admission.message(names.len())
+                    ),
+                )
+            } else {
+                ("Running", "waiting for a branch to commit".to_string())
+            };
+            set(&mut p.status, READY, false, reason, why, generation, now);
             let at_deadline = elapsed(now, deadline) + Duration::from_millis(50);
             // Sooner when branches wait for a node (fork asked for it).
             p.requeue = Some(p.requeue.map_or(at_deadline, |r| r.min(at_deadline)));

@@ -6,13 +6,15 @@
 //!                                          |             \-> Conflict (commit refused: the
 //!                                          |                 parent changed since the fork)
 //!                                          \-> Exhausted (timeout, or every branch aborted)
-//! Failed: the snapshot failed, or the parent was invalidated (nested BranchSets).
+//! Failed: the snapshot failed, the parent was invalidated (nested BranchSets), or the
+//! branches can never fit on a node beside what is not a branch (`Unschedulable`).
 //!
 //! `plan_lifecycle` runs the phases in order, one file each: `source` (resolve the
-//! source), `snapshot` (await it), `fork`, `branches` (observe them, and fail those
-//! whose node agent is gone for good), `decide`, `invalidate` (the losers), `commit`
-//! (observe it). Then `effects` gates what the branches asked for; `build` makes the
-//! objects to create.
+//! source), `snapshot` (await it), `fork`, `branches` (observe them: how many a node
+//! admitted and how many wait for room; fail the set at once when they can never fit,
+//! and fail those whose node agent is gone for good), `decide`, `invalidate` (the
+//! losers), `commit` (observe it). Then `effects` gates what the branches asked for;
+//! `build` makes the objects to create.
 
 mod branches;
 mod build;
@@ -35,7 +37,7 @@ use ramify_crds::{
     ConditionsExt, LABEL_BRANCH, Sandbox, Snapshot,
 };
 
-pub use branches::node_lost;
+pub use branches::{Admission, node_lost};
 pub use decide::first_commit;
 pub use effects::{gate, next_effect};
 
@@ -64,6 +66,13 @@ pub struct Observed<'a> {
     pub lost_nodes: &'a BTreeMap<String, Duration>,
     /// The operator runs in cluster mode (Pods placed by the scheduler).
     pub cluster_mode: bool,
+    /// Why the branches can never fit on any node they may run on while the sandboxes
+    /// there that are not branches (the set's source among them) run, with the nodes'
+    /// numbers ([`crate::capacity::never_fits`]); `None`: they may fit, or it was not
+    /// looked at (the set is decided, a branch was admitted, cluster mode, no node
+    /// announces its allocatable). The set then fails at once unless one of its
+    /// branches was admitted.
+    pub never_fits: Option<&'a str>,
     pub now: Timestamp,
 }
 
@@ -105,6 +114,9 @@ pub struct Plan {
     pub requeue: Option<Duration>,
     /// Branches not created because no node takes them under `maxBranchesPerNode`.
     pub waiting_for_node: usize,
+    /// How many branches a node admitted and how many wait for room, and why (set
+    /// when the branches were observed).
+    pub admission: Admission,
     /// Set on the reconcile that saw every branch running: apply-to-running latency.
     pub forked_after: Option<Duration>,
     /// Set on the reconcile that saw every loser gone: first verdict to siblings gone.
@@ -240,6 +252,7 @@ fn plan_lifecycle(cx: &Ctx<'_>, p: &mut Plan) -> ControlFlow<()> {
     let snap_name = source::resolve_source(cx, p)?;
     let ready = snapshot::await_snapshot(cx, p, &snap_name)?;
     let old = branches::recorded(&p.status);
+    branches::unschedulable(cx, p, &old)?;
     fork::fork(cx, p, &old, &snap_name, &ready);
     branches::observe_branches(cx, p, &old, &snap_name);
     branches::fail_lost(cx, p);
