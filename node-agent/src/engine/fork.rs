@@ -67,18 +67,15 @@ impl Engine {
                 Some(&meta.id),
             )
             .await?;
-        let restored = async {
-            self.inner.placement.before_start(&sb.placed).await?;
-            self.inner
-                .runsc
-                .restore(&sb.ctx, &sb.bundle_dir(), img)
-                .await
-        }
-        .await;
-        if let Err(e) = restored {
-            self.destroy_or_report(sb, "its restore failed").await;
-            return Err(e);
-        }
+        // At the node's speed, and so is the branch's own set-up below (its hostname,
+        // its tracked files): its CPU limit is back before it is handed out.
+        let lifted = match self.restore_unthrottled(&sb, img).await {
+            Ok(l) => l,
+            Err(e) => {
+                self.destroy_or_report(sb, "its restore failed").await;
+                return Err(e);
+            }
+        };
         if let Some(host) = sb.identity.hostname.clone()
             && let Err(e) = self.set_hostname(&sb, &host).await
         {
@@ -105,6 +102,11 @@ impl Engine {
                     return Err(e);
                 }
             }
+        }
+        if let Err(e) = lifted.restore() {
+            self.destroy_or_report(sb, "putting its CPU limit back failed")
+                .await;
+            return Err(e);
         }
         Ok(sb)
     }

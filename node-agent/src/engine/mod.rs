@@ -23,6 +23,7 @@ mod sandbox;
 mod snapshot;
 mod suspend;
 mod teardown;
+mod unthrottled;
 mod warm_pool;
 
 pub use commit::{CommitReport, PathsCommit};

@@ -57,12 +57,17 @@ impl Engine {
             .begin(&snap_id)
             .map_err(|e| self.capture_failed(&snap_id, e, ""))?;
         let t0 = Instant::now();
+        let lifted = self.lift_cpu_limit(sb);
         let ck = self
             .inner
             .runsc
             .checkpoint(&sb.ctx, &img, leave_running)
             .await;
         let checkpoint = t0.elapsed();
+        // Back before the source runs on (a checkpoint that stops it: before its restore).
+        if let Err(e) = lifted.restore() {
+            warn!(id = %sb.id, error = %e, "putting the CPU limit back after a checkpoint");
+        }
         if let Err(e) = ck {
             let note = if !leave_running && !self.is_running(sb).await.unwrap_or(false) {
                 "; the source is stopped: this runsc stops it to checkpoint it"

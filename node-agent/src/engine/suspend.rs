@@ -99,7 +99,9 @@ impl Engine {
         }
         crate::fault::hold(crate::fault::SUSPEND_RECORDED).await;
         let t0 = Instant::now();
+        let lifted = self.lift_cpu_limit(sb);
         let ck = self.inner.runsc.checkpoint(&sb.ctx, &dir, false).await;
+        drop(lifted);
         let checkpoint = t0.elapsed();
         if let Err(e) = ck {
             self.remove_image_logged(&image);
