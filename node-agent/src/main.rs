@@ -23,7 +23,7 @@ use ramify_node_agent::freezer::Look;
 use ramify_node_agent::placement::cluster::{Cluster, ClusterConfig};
 use ramify_node_agent::placement::{Placement, Standalone, StandaloneConfig};
 use ramify_node_agent::roots::RootfsConfig;
-use ramify_node_agent::runsc::{Runsc, RunscConfig};
+use ramify_node_agent::runsc::{RestorePages, Runsc, RunscConfig};
 use ramify_node_agent::settings::{
     self, AgentSettings, DEFAULT_CGROUP_PARENT, DEFAULT_KUBELET_ROOT_DIR, DEFAULT_ROOTFS_CACHE,
 };
@@ -254,6 +254,14 @@ enum Command {
         /// uninstall` leaves the node as it was. See node_release.rs.
         #[arg(long, env = "RAMIFY_RELEASE_NODE_ON_EXIT", default_value_t = false)]
         release_node_on_exit: bool,
+        /// How a restore loads a sandbox's memory: `lazy` (a page is read from the
+        /// image when the sandbox first touches it: a branch costs what it touches),
+        /// `background` (the restore returns early, every page loads behind it),
+        /// `eager` (every page loads before it returns), or `auto`: lazy when this
+        /// runsc has `restore --lazy-pages`, else background when it has
+        /// `--background`, else eager. A mode this runsc lacks refuses to start.
+        #[arg(long, env = "RAMIFY_RESTORE_PAGES", default_value = "auto")]
+        restore_pages: RestorePages,
         #[command(flatten)]
         capacity_args: Box<CapacityArgs>,
         #[command(flatten)]
@@ -343,6 +351,7 @@ async fn engine(
     s: &AgentSettings,
     state_dir: &Path,
     owner: Option<String>,
+    restore_pages: RestorePages,
 ) -> anyhow::Result<Engine> {
     // The agent's state is private (snapshot images hold sandboxes' memory): umask
     // 077 for this process and every one it starts, before anything is created.
@@ -377,6 +386,7 @@ async fn engine(
             runsc: RunscConfig {
                 binary: s.runsc.clone(),
                 platform: s.platform.parse()?,
+                restore_pages,
                 ..RunscConfig::default()
             },
             exec_timeout: Duration::from_secs(600),
@@ -418,7 +428,8 @@ async fn local_engine(
         rootfs_roots: Vec::new(),
         ..s
     };
-    engine(&s, state_dir, Some("node".into())).await
+    // exec, logs, diff and cleanup restore nothing: `auto` (which cannot fail) will do.
+    engine(&s, state_dir, Some("node".into()), RestorePages::Auto).await
 }
 
 /// The engine over a node's state and the sandbox recorded there for `namespace/name`.
@@ -473,6 +484,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             cgroup_parent,
             leave_pod_cgroup,
             release_node_on_exit,
+            restore_pages,
             capacity_args,
             rootfs,
             registries,
@@ -531,7 +543,13 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 mode,
                 kubelet_root_dir: kubelet_root_dir.clone(),
             };
-            let engine = engine(&settings, &state.state_dir, Some("node".into())).await?;
+            let engine = engine(
+                &settings,
+                &state.state_dir,
+                Some("node".into()),
+                restore_pages,
+            )
+            .await?;
             let snapshot_store_quota = match snapshot_store_quota {
                 Some(q) => q,
                 None => half_of_file_system(engine.store().dir())?,
@@ -546,6 +564,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let version = agent::short_version(engine.runsc().version()).to_string();
             let metrics = AgentMetrics::new(&version, engine.cleanup_failures());
             metrics.set_platform(&platform);
+            let pages = engine.runsc().restore_pages();
+            metrics.set_restore_pages(pages, restore_pages);
+            info!(mode = %pages, requested = %restore_pages, "restores load memory pages");
             info!(platform = platform.platform.as_str(), requested = platform.requested.as_str(), reason = %platform.reason, "gVisor platform");
             let health = ramify_runtime::Health::default();
             tokio::spawn({
@@ -568,6 +589,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 allocatable,
                 runsc_version: version,
                 platform: platform.platform.as_str().into(),
+                restore_pages: pages.as_str().into(),
                 duration: Duration::from_secs(15),
                 endpoint: endpoint.as_ref().map(|e| e.url.clone()),
                 drain_when_cordoned: mode == Mode::Standalone,
@@ -692,6 +714,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{:#?}", r.caps());
             let p = r.platform();
             println!("platform: {} ({})", p.platform.as_str(), p.reason);
+            println!("restore pages (auto): {}", r.restore_pages());
             Ok(ExitCode::SUCCESS)
         }
         Command::Sweep {

@@ -13,6 +13,9 @@ use crate::cmd::{Cmd, Output};
 use crate::error::{Error, Result};
 use crate::platform::PlatformDecision;
 
+pub mod restore_pages;
+pub use restore_pages::RestorePages;
+
 /// gVisor platform. ptrace works everywhere; systrap needs a runsc from mid-2023 on;
 /// kvm needs /dev/kvm (hangs in nested VMs). `Auto` is resolved at start-up by a probe
 /// sandbox ([`crate::platform::resolve`]) and never reaches runsc.
@@ -91,8 +94,11 @@ pub struct RunscCaps {
     /// source's gofer in releases before 2023, so it is only trusted from 2024 on).
     pub leave_running: bool,
     pub leave_running_flag: bool,
-    /// `restore --background` (lazy page loading).
+    /// `restore --background`: pages loaded after the restore returns.
     pub background: bool,
+    /// `restore --lazy-pages` (a patched runsc, hack/runsc/patches): pages loaded only
+    /// when the sandbox touches them.
+    pub lazy_pages: bool,
     /// `checkpoint --compression`.
     pub compression: bool,
     pub overlay: OverlayFlag,
@@ -144,6 +150,7 @@ impl RunscCaps {
             leave_running: leave_running_flag && release_date.is_some_and(|d| d >= 20240101),
             leave_running_flag,
             background: has(restore_help, "background"),
+            lazy_pages: has(restore_help, "lazy-pages"),
             compression: has(checkpoint_help, "compression"),
             overlay,
             hide_proc_sys_net: release_date.is_some_and(|d| d < 20240601),
@@ -202,6 +209,8 @@ pub struct RunscConfig {
     pub debug_log_dir: Option<PathBuf>,
     /// Override for the leave-running decision (None: trust detection).
     pub force_leave_running: Option<bool>,
+    /// How restores load memory; `Auto` is resolved from the caps at start-up.
+    pub restore_pages: RestorePages,
 }
 
 impl Default for RunscConfig {
@@ -211,6 +220,7 @@ impl Default for RunscConfig {
             platform: Platform::Auto,
             debug_log_dir: None,
             force_leave_running: None,
+            restore_pages: RestorePages::Auto,
         }
     }
 }
@@ -220,6 +230,8 @@ pub struct Runsc {
     cfg: RunscConfig,
     caps: RunscCaps,
     platform: PlatformDecision,
+    /// Resolved: never `Auto`.
+    restore_pages: RestorePages,
 }
 
 impl Runsc {
@@ -252,12 +264,16 @@ impl Runsc {
         if let Some(f) = cfg.force_leave_running {
             caps.leave_running = f && caps.leave_running_flag;
         }
+        // Before the platform probe (which starts a sandbox): a mode this runsc lacks
+        // refuses at once.
+        let restore_pages = cfg.restore_pages.resolve(&caps)?;
         let platform = crate::platform::resolve(&cfg.binary, cfg.platform).await?;
-        debug!(?caps, ?platform, "runsc detected");
+        debug!(?caps, ?platform, %restore_pages, "runsc detected");
         Ok(Runsc {
             cfg,
             caps,
             platform,
+            restore_pages,
         })
     }
 
@@ -272,6 +288,11 @@ impl Runsc {
     /// The platform sandboxes run on (resolved: never `Auto`) and why.
     pub fn platform(&self) -> &PlatformDecision {
         &self.platform
+    }
+
+    /// How restores load memory (resolved: never `Auto`).
+    pub fn restore_pages(&self) -> RestorePages {
+        self.restore_pages
     }
 
     pub fn binary(&self) -> &Path {
@@ -401,10 +422,9 @@ impl Runsc {
             format!("--pid-file={}", Self::pid_file(ctx).display()).into(),
             "--detach".into(),
         ];
-        // Lazy page loading needs uncompressed images, which we only write when the
-        // compression flag exists (then we pass --compression=none).
-        if self.caps.background && self.caps.compression {
-            sub.push("--background".into());
+        // Resolved against the caps at start-up (uncompressed images included).
+        if let Some(flag) = self.restore_pages.restore_flag() {
+            sub.push(flag.into());
         }
         sub.push(ctx.id.clone().into());
         self.command(ctx, &sub, true)
@@ -564,6 +584,7 @@ mod tests {
     const NEW_CK: &str =
         "  -compression value\n    \tcompression\n  -image-path string\n  -leave-running\n";
     const NEW_RS: &str = "  -background\n    \trestore in background\n  -direct\n";
+    const PATCHED_RS: &str = "  -background\n    \trestore in background\n  -direct\n  -lazy-pages\n    \tload memory pages from the image only when the application accesses them\n";
 
     #[test]
     fn parses_debian_runsc() {
@@ -582,6 +603,7 @@ mod tests {
             "leave-running is broken in 2022 releases"
         );
         assert!(!caps.background);
+        assert!(!caps.lazy_pages);
         assert!(!caps.compression);
         assert_eq!(caps.overlay, OverlayFlag::Overlay2Root);
         assert!(caps.hide_proc_sys_net);
@@ -597,7 +619,16 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert!(caps.leave_running && caps.background && caps.compression);
+        assert!(!caps.lazy_pages);
         assert!(!caps.hide_proc_sys_net);
+        let patched = RunscCaps::parse(
+            "runsc version release-20260527.0-a81fd9dd382e+p03b59809\n",
+            NEW_CK,
+            PATCHED_RS,
+            "  -overlay2 value\n",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(patched.lazy_pages && patched.background);
     }
 
     #[test]

@@ -18,6 +18,10 @@ use ramify_crds::capacity::{
 use serde_json::json;
 use tracing::warn;
 
+/// How the node's restores load memory (`lazy`, `background` or `eager`): a lazy node
+/// runs branches in the memory they touch, not their snapshot's whole size.
+pub const ANNOTATION_RESTORE_PAGES: &str = "ramify.dev/restore-pages";
+
 /// What the agent announces about itself.
 #[derive(Clone, Debug)]
 pub struct Announcement {
@@ -29,6 +33,8 @@ pub struct Announcement {
     pub runsc_version: String,
     /// The gVisor platform its sandboxes run on (resolved: never `auto`).
     pub platform: String,
+    /// How its restores load memory (resolved: never `auto`).
+    pub restore_pages: String,
     pub duration: Duration,
     /// The node endpoint `ramify-api` dials for exec, log and diff (`https://host:port`).
     pub endpoint: Option<String>,
@@ -66,6 +72,7 @@ pub async fn renew(
                 ANNOTATION_ALLOCATABLE_CPU: format!("{}m", a.allocatable.cpu_millis),
                 ANNOTATION_ALLOCATABLE_MEMORY: a.allocatable.memory_bytes.to_string(),
                 ANNOTATION_PLATFORM: a.platform,
+                ANNOTATION_RESTORE_PAGES: a.restore_pages,
             },
         },
         "spec": {

@@ -45,6 +45,14 @@ pub struct PlatformLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RestorePagesLabels {
+    /// How restores load memory: `lazy`, `background` or `eager`.
+    pub mode: String,
+    /// What `--restore-pages` asked for (`auto`: the best this runsc has).
+    pub requested: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RecordLabels {
     /// `sandbox` or `snapshot` (registry records), `sandbox-dir` (an engine record).
     pub record: String,
@@ -74,6 +82,8 @@ pub struct AgentMetrics {
     pub snapshot_bytes: Gauge,
     /// 1 for the gVisor platform sandboxes run on (see [`AgentMetrics::set_platform`]).
     pub platform: Family<PlatformLabels, Gauge>,
+    /// 1 for how restores load memory (see [`AgentMetrics::set_restore_pages`]).
+    pub restore_pages: Family<RestorePagesLabels, Gauge>,
     pub capacity: Family<CapacityLabels, Gauge>,
     pub admission_waiting: Gauge,
     pub restores_running: Gauge,
@@ -121,6 +131,7 @@ impl AgentMetrics {
             sandboxes: Gauge::default(),
             snapshot_bytes: Gauge::default(),
             platform: Family::default(),
+            restore_pages: Family::default(),
             capacity: Family::default(),
             admission_waiting: Gauge::default(),
             restores_running: Gauge::default(),
@@ -210,6 +221,11 @@ impl AgentMetrics {
             m.platform.clone(),
         );
         r.register(
+            "restore_pages",
+            "How restores load a sandbox's memory (1): lazy, background or eager, with what --restore-pages asked for",
+            m.restore_pages.clone(),
+        );
+        r.register(
             "capacity",
             "Sandbox allocatable of this node and what admitted sandboxes hold of it",
             m.capacity.clone(),
@@ -268,6 +284,20 @@ impl AgentMetrics {
             .set(1);
     }
 
+    /// Records the restore mode decided at start-up: one series, value 1.
+    pub fn set_restore_pages(
+        &self,
+        mode: crate::runsc::RestorePages,
+        requested: crate::runsc::RestorePages,
+    ) {
+        self.restore_pages
+            .get_or_create(&RestorePagesLabels {
+                mode: mode.as_str().into(),
+                requested: requested.as_str().into(),
+            })
+            .set(1);
+    }
+
     pub fn reconciled(&self, controller: &str, took: Duration) {
         let l = Labels {
             controller: controller.into(),
@@ -304,6 +334,18 @@ mod tests {
         let text = ramify_runtime::render(&m.registry);
         assert!(
             text.contains(r#"ramify_node_agent_platform{platform="systrap",requested="auto"} 1"#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_restore_mode_in_use_is_a_labelled_series() {
+        use crate::runsc::RestorePages;
+        let m = AgentMetrics::new("release-test", &Default::default());
+        m.set_restore_pages(RestorePages::Lazy, RestorePages::Auto);
+        let text = ramify_runtime::render(&m.registry);
+        assert!(
+            text.contains(r#"ramify_node_agent_restore_pages{mode="lazy",requested="auto"} 1"#),
             "{text}"
         );
     }

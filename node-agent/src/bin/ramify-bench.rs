@@ -11,6 +11,13 @@
 //! object store's `RAMIFY_S3_*` environment): upload and download throughput of a real
 //! snapshot image against plain copies of the same bytes.
 //!
+//! `--scenarios lazy`: the memory of 8 branches of a 512 MiB workspace, each reading 0,
+//! 5, 50 or 100% of it, restored lazily and in the background (`--lazy-mib`,
+//! `--lazy-branches`).
+//!
+//! `--scenarios throttle`: a small sandbox's snapshot and fork of 3 at `cpu: 50m` and at
+//! `cpu: 1`, in one run (a sandbox's own CPU limit must not slow its fork).
+//!
 //! `--scenarios suspend`: suspend and resume of a workspace per `--dirty` size, next to
 //! a fresh start that redoes its work.
 //!
@@ -45,7 +52,7 @@ struct Args {
     #[arg(long, default_value = "auto")]
     platform: String,
     /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`,
-    /// `suspend`, `images`, `store`.
+    /// `suspend`, `images`, `store`, `throttle`, `lazy`.
     #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
     scenarios: Vec<String>,
     /// Platforms the platform scenario compares (each must work with --runsc).
@@ -68,6 +75,19 @@ struct Args {
     /// Sandboxes the `images` scenario starts (and keeps, for the disk figure).
     #[arg(long, default_value_t = 10)]
     image_starts: usize,
+    /// MiB of data the `lazy` scenario's workspace holds in memory.
+    #[arg(long, default_value_t = 512)]
+    lazy_mib: u64,
+    /// Branches the `lazy` scenario forks.
+    #[arg(long, default_value_t = 8)]
+    lazy_branches: u32,
+    /// CPU limits (millicores) the `throttle` scenario compares: the snapshot and fork
+    /// of a small sandbox at each, in one run.
+    #[arg(long, value_delimiter = ',', default_value = "50,1000")]
+    throttle_cpus: Vec<u64>,
+    /// Runs per CPU limit in the `throttle` scenario.
+    #[arg(long, default_value_t = 5)]
+    throttle_runs: usize,
     /// MiB of urandom (incompressible: the worst case for zstd) the `store` scenario's
     /// source holds in memory before its capture.
     #[arg(long, default_value_t = 128)]
@@ -76,12 +96,16 @@ struct Args {
 
 #[path = "ramify-bench/images.rs"]
 mod images;
+#[path = "ramify-bench/lazy.rs"]
+mod lazy;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
 #[path = "ramify-bench/store.rs"]
 mod store;
 #[path = "ramify-bench/suspend.rs"]
 mod suspend;
+#[path = "ramify-bench/throttle.rs"]
+mod throttle;
 
 const PREFIX: &str = "ramify-bench-";
 
@@ -105,6 +129,8 @@ fn workload(dirty_mib: u64) -> WorkloadSpec {
         cwd: "/".into(),
         hostname: "bench".into(),
         user: None,
+        system_files: false,
+        system_file_mounts: Vec::new(),
         resources: Resources {
             cpu_millis: None,
             memory_bytes: Some(2 << 30),
@@ -114,11 +140,21 @@ fn workload(dirty_mib: u64) -> WorkloadSpec {
 }
 
 async fn start(engine: &Engine, rootfs: &Path, name: &str, dirty: u64) -> Result<LocalSandbox> {
+    start_workload(engine, rootfs, name, workload(dirty)).await
+}
+
+/// [`start`] of a given workload (one that touches `/tmp/ready` once set up).
+async fn start_workload(
+    engine: &Engine,
+    rootfs: &Path,
+    name: &str,
+    workload: WorkloadSpec,
+) -> Result<LocalSandbox> {
     let sb = engine
         .start(StartRequest {
             name: name.into(),
             rootfs: RootfsSource::Dir(rootfs.to_path_buf()),
-            workload: workload(dirty),
+            workload,
             egress_allow: vec![],
         })
         .await?;
@@ -313,6 +349,20 @@ async fn main() -> Result<()> {
         }
         .run()
         .await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "lazy") {
+        result = lazy::LazyBench {
+            engine: &engine,
+            placement: &placement,
+            rootfs: &rootfs,
+            data_mib: args.lazy_mib,
+            branches: args.lazy_branches,
+        }
+        .run()
+        .await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "throttle") {
+        result = throttle::run(&engine, &rootfs, &args.throttle_cpus, args.throttle_runs).await;
     }
     if result.is_ok() && args.scenarios.iter().any(|s| s == "store") {
         result = store::run(&engine, &rootfs, &dir, args.store_dirty).await;

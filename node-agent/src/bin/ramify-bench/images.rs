@@ -27,6 +27,8 @@ fn sleeper() -> WorkloadSpec {
         cwd: "/".into(),
         hostname: "bench".into(),
         user: None,
+        system_files: false,
+        system_file_mounts: Vec::new(),
         resources: Resources {
             cpu_millis: None,
             memory_bytes: None,
