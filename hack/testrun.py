@@ -165,7 +165,7 @@ class Lanes:
 
     def worker(self, lane: int) -> None:
         while (job := self.next_for(lane)) is not None:
-            self.record(run_job(job, lane, self.lanes[lane], self.report))
+            self.record(run_guarded(job, lane, self.lanes[lane], self.report))
 
     def record(self, o: Outcome) -> None:
         with self.lock:
@@ -180,8 +180,34 @@ class Lanes:
         for t in threads:
             t.join()
         for job in [j for j in self.pending if j.solo]:
-            self.record(run_job(job, 0, self.lanes[0], self.report))
+            self.record(run_guarded(job, 0, self.lanes[0], self.report))
         return self.outcomes
+
+
+def keep_component_logs(job: Job, lane_env: dict[str, str], report: Path) -> None:
+    """A failed job's systems' component logs (operator, node agents, ramify-api), kept
+    in the report before the lane's next system sweeps their directories away."""
+    lane = lane_env.get("RAMIFY_E2E_LANE", "0")
+    base = REPO / (".ramify/e2e" if lane == "0" else f".ramify/e2e-lane{lane}")
+    dest = report / (job.name.replace("/", "__") + ".systems")
+    for log in base.glob("*/*.log"):
+        target = dest / log.parent.name / log.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.write_bytes(log.read_bytes())
+        except OSError:
+            pass
+
+
+def run_guarded(job: Job, lane: int, lane_env: dict[str, str], report: Path) -> Outcome:
+    """[`run_job`], with a job that could not run at all (a missing program, a file that
+    is not executable) recorded as failed: the lane goes on with its other jobs."""
+    try:
+        return run_job(job, lane, lane_env, report)
+    except OSError as e:
+        log = report / (job.name.replace("/", "__") + ".log")
+        log.write_text(f"{job.name} could not run: {e}\n")
+        return Outcome(job, lane, 0.0, 127, 0, 1, [], log)
 
 
 def run_job(job: Job, lane: int, lane_env: dict[str, str], report: Path) -> Outcome:
@@ -232,6 +258,8 @@ def run_job(job: Job, lane: int, lane_env: dict[str, str], report: Path) -> Outc
             scanned = max(0, scanned - keep)
         rc = proc.wait()
         close_current(time.monotonic(), "")
+    if rc != 0:
+        keep_component_logs(job, lane_env, report)
     if job.after:
         subprocess.run(job.after, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     seconds = time.monotonic() - t0
