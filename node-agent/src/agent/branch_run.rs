@@ -220,15 +220,26 @@ impl Agent {
             }
         };
         let run_millis = millis(t0.elapsed());
+        // The diff is a command in the branch too: a loser is paused the moment its set
+        // names a winner, and a diff caught by that pause never returns, so its deletion
+        // drops it like the run (it held the sandbox until the set's timeout).
         let diff = if bs.spec.commit.mode == CommitMode::Paths {
-            let g = h.lock().await;
-            match g.as_ref() {
-                Some(sb) => self
-                    .engine
-                    .diff_since_restore(sb, &bs.spec.commit.paths)
-                    .await
-                    .ok(),
-                None => None,
+            let taken = async {
+                let g = h.lock().await;
+                match g.as_ref() {
+                    Some(sb) => self
+                        .engine
+                        .diff_since_restore(sb, &bs.spec.commit.paths)
+                        .await
+                        .ok(),
+                    None => None,
+                }
+            };
+            tokio::select! {
+                d = taken => d,
+                () = until_deleted(&mut deleted) => {
+                    return Err(Error::Invalid("the branch was deleted while its diff was taken".into()));
+                }
             }
         } else {
             None
