@@ -53,6 +53,10 @@ done
 step "cargo fmt --check" cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-targets --locked -- -D warnings
 step "CRD YAML matches the Rust types" cargo run -q --locked -p ramify-crds --bin crdgen -- --check crds/yaml
+# A test binary reused from another clone of this tree (hack/lib/cargo-target.sh) must not
+# look for the repository where it was compiled: every path is found at run time.
+step "no compile-time repository paths (binaries are reused across clones)" \
+  bash -c '! git grep -n "env!(\"CARGO_MANIFEST_DIR\")" -- "*.rs"'
 must "helm and a current runsc (Go module proxy, cached)" hack/helm/build.sh
 current_runsc="$(hack/runsc/build.sh)" || exit 1
 step "runsc patches: their Go tests (hack/runsc/patches)" hack/runsc/build.sh --test

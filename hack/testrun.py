@@ -109,7 +109,9 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         argv = [exe, "--test-threads=1"]
         if name in NOCAPTURE:
             argv.append("--nocapture")
-        env: dict[str, str] = {}
+        # As cargo does when it runs a test: tests find the repository at run time (a
+        # binary may have been built in another clone of the same tree).
+        env: dict[str, str] = {"CARGO_MANIFEST_DIR": str(cwd)}
         job = Job(name, argv, cwd, env)
         if name in NODE_JOBS:
             job.lane_only = 0
@@ -119,6 +121,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
             # A control plane of its own that advertises the node IP (Pods reach it).
             helm_cp = REPO / ".ramify/test-helm/controlplane"
             job.env = {
+                "CARGO_MANIFEST_DIR": str(cwd),
                 "RAMIFY_CP_DIR": str(helm_cp),
                 "RAMIFY_CP_PORT_BASE": "16740",
                 "RAMIFY_CP_ADVERTISE_ADDRESS": "10.213.1.1",
@@ -128,7 +131,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         # The node agent's real-runsc suites again on the current runsc; not its unit
         # tests (no runsc), nor a suite that picks its runsc itself.
         if package == "ramify-node-agent" and args.current_runsc and kind == "test" and name not in OWN_RUNSC:
-            again = Job(f"{name}@current-runsc", list(argv), cwd, {"RAMIFY_RUNSC": args.current_runsc})
+            again = Job(f"{name}@current-runsc", list(argv), cwd, {"CARGO_MANIFEST_DIR": str(cwd), "RAMIFY_RUNSC": args.current_runsc})
             jobs.append(again)
     jobs.append(Job("doctests", ["cargo", "test", "--workspace", "--locked", "--doc"], REPO))
     # The benchmarks written as tests, once each with their smallest settings (`make

@@ -71,12 +71,26 @@ pub fn bench_runs(default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// The repository root (this crate lives in `<repo>/e2e`).
+/// The repository root, found when the binary runs, never where it was compiled: a
+/// clone may reuse test binaries built in another clone of the same tree (the shared
+/// target directory, hack/lib/cargo-target.sh), whose compile-time paths name that
+/// other clone. `RAMIFY_REPO_ROOT`, else the parent of the `CARGO_MANIFEST_DIR` cargo
+/// and hack/testrun.py set for a test, else the first directory up from the working
+/// one that holds this workspace (`make bench` and a user run binaries from the root).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
+    if let Some(root) = std::env::var_os("RAMIFY_REPO_ROOT") {
+        return PathBuf::from(root);
+    }
+    if let Some(manifest) = std::env::var_os("CARGO_MANIFEST_DIR")
+        && let Some(root) = Path::new(&manifest).parent()
+    {
+        return root.to_path_buf();
+    }
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+    cwd.ancestors()
+        .find(|dir| dir.join("e2e/Cargo.toml").is_file() && dir.join("hack").is_dir())
         .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
+        .unwrap_or(cwd)
 }
 
 /// A running control plane: its directory, kubeconfig and the directory of its

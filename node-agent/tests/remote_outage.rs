@@ -15,7 +15,11 @@ use common_s3::*;
 use ramify_node_agent::store::SnapshotStore;
 
 fn hack(script: &str, args: &[&str]) {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    // At run time (cargo sets it), not compile time: the binary may come from another clone.
+    let root = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR (run under cargo test)"),
+    )
+    .join("..");
     for v in ["RAMIFY_S3_DIR", "RAMIFY_S3_PORT"] {
         assert!(
             std::env::var(v).is_ok(),

@@ -145,7 +145,11 @@ print(json.dumps({
 
 /// The workspace image's Debian tree, unpacked into the harness's own roots.
 fn debian_root(h: &Harness) -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../hack/images/debootstrap.sh");
+    // The manifest directory at run time: the binary may have been built in another clone.
+    let script = Path::new(
+        &std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR (run under cargo test)"),
+    )
+    .join("../hack/images/debootstrap.sh");
     let out = std::process::Command::new(&script).output().unwrap();
     assert!(
         out.status.success(),

@@ -202,7 +202,11 @@ pub async fn harness_with(test: &str, runsc: RunscConfig, state_dir: Option<Path
 /// The pinned current runsc (`hack/runsc/build.sh`: built from the Go module proxy,
 /// cached), whatever RAMIFY_RUNSC says: what the tests of systrap need.
 pub fn current_runsc() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../hack/runsc/build.sh");
+    // The manifest directory at run time: the binary may have been built in another clone.
+    let script = Path::new(
+        &std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR (run under cargo test)"),
+    )
+    .join("../hack/runsc/build.sh");
     let out = std::process::Command::new(&script)
         .output()
         .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
