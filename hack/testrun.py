@@ -45,7 +45,7 @@ OWN_RUNSC = {"ramify-node-agent/lazy_pages"}
 SOLO_JOBS = {"ramify-e2e/load"}
 # Test binaries run with their output kept (their tables are the point); the report
 # prints the fault matrix's, without its per-step `fault: ` lines.
-NOCAPTURE = {"ramify-e2e/faults", "ramify-e2e/helm_install"}
+NOCAPTURE = {"ramify-e2e/faults", "ramify-e2e/helm_install", "ramify-e2e/usage"}
 SHOWN = {"ramify-e2e/faults": re.compile(r"^fault: ")}
 
 TEST_START = re.compile(rb"(?m)^test (\S+) \.\.\. ")
@@ -310,7 +310,9 @@ def main() -> int:
 
     if args.times and not args.only:
         merged = dict(times)
-        merged.update({o.job.name: o.seconds for o in outcomes})
+        # Only what passed: a job that failed early (a missing file, a broken build)
+        # says nothing of how long it takes, and would be scheduled last next time.
+        merged.update({o.job.name: o.seconds for o in outcomes if o.rc == 0})
         args.times.parent.mkdir(parents=True, exist_ok=True)
         args.times.write_text("".join(f"{k}\t{v:.1f}\n" for k, v in sorted(merged.items())))
 

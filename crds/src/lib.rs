@@ -13,6 +13,7 @@ pub mod rootfsclass;
 pub mod sandbox;
 pub mod snapshot;
 pub mod subresources;
+pub mod usage;
 
 pub use branchset::*;
 pub use common::*;

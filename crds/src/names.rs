@@ -92,6 +92,9 @@ pub const MANAGER_AGENT_ERRORS: &str = "ramify-node-agent/errors";
 pub const MANAGER_AGENT_LEASE: &str = "ramify-node-agent/lease";
 /// Node agent: a Sandbox's `selfFork` (the requests its workload made from inside).
 pub const MANAGER_AGENT_SELF_FORK: &str = "ramify-node-agent/self-fork";
+/// Node agent: a Sandbox's `usage` (what its cgroups say it uses, refreshed at a
+/// modest interval; see `ramify_crds::usage`).
+pub const MANAGER_AGENT_USAGE: &str = "ramify-node-agent/usage";
 /// `kubectl ramify`: what a person changes (a Manual commit's choice, an abort).
 pub const MANAGER_PLUGIN: &str = "kubectl-ramify";
 

@@ -26,6 +26,8 @@ use crate::common::{Condition, EnvVar};
     printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName"}"#,
     printcolumn = r#"{"name":"Restored-From","type":"string","jsonPath":".status.restoredFrom.snapshot"}"#,
     printcolumn = r#"{"name":"Commits","type":"integer","priority":1,"jsonPath":".status.commits"}"#,
+    printcolumn = r#"{"name":"CPU","type":"string","priority":1,"jsonPath":".status.usage.cpu"}"#,
+    printcolumn = r#"{"name":"Memory","type":"string","priority":1,"jsonPath":".status.usage.memory"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(
@@ -466,6 +468,10 @@ pub struct SandboxStatus {
     /// The fork the workload asked for from inside (written by the node agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub self_fork: Option<SelfForkStatus>,
+    /// What the sandbox uses, as its cgroups on the node say (written by the node
+    /// agent while it runs, at most once a minute and when it changed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::SandboxUsage>,
     /// The `.metadata.generation` last acted upon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

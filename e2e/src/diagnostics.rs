@@ -116,7 +116,8 @@ pub fn warnings(log: &str) -> String {
     plain[plain.len().saturating_sub(WARNINGS_KEPT)..].join("\n")
 }
 
-fn strip_ansi(line: &str) -> String {
+/// `line` without its terminal colour sequences.
+pub(crate) fn strip_ansi(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
     let mut chars = line.chars();
     while let Some(c) = chars.next() {

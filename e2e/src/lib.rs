@@ -44,6 +44,8 @@ pub enum HarnessError {
     Io(#[from] std::io::Error),
     #[error("yaml: {0}")]
     Yaml(#[from] serde_yaml::Error),
+    #[error("{0}")]
+    Other(String),
 }
 
 /// A Kubernetes API call that failed, with what it was for.
@@ -452,6 +454,24 @@ impl Component {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// What its `/metrics` serves now (its log says which address it bound).
+    pub fn metrics(&self) -> Result<String, HarnessError> {
+        let text = self.log_text();
+        let line = text
+            .lines()
+            .rev()
+            .find(|l| l.contains("serving /metrics"))
+            .ok_or_else(|| {
+                HarnessError::Other(format!("{}: no metrics address in its log", self.name))
+            })?;
+        let plain = diagnostics::strip_ansi(line);
+        let addr = plain
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("addr="))
+            .ok_or_else(|| HarnessError::Other(format!("no addr= in {plain:?}")))?;
+        http_get(addr, "/metrics")
+    }
+
     pub fn log_tail(&self, n: usize) -> String {
         let text = self.log_text();
         let lines: Vec<&str> = text.lines().collect();
@@ -463,4 +483,23 @@ impl Drop for Component {
     fn drop(&mut self) {
         let _ = self.kill();
     }
+}
+
+/// The body of a plain HTTP/1.0 GET of `path` on `addr` (a local metrics endpoint).
+pub fn http_get(addr: &str, path: &str) -> Result<String, HarnessError> {
+    use std::io::{Read, Write};
+    let err = |e: std::io::Error| HarnessError::Other(format!("GET http://{addr}{path}: {e}"));
+    let mut conn = std::net::TcpStream::connect(addr).map_err(err)?;
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(err)?;
+    write!(conn, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(err)?;
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).map_err(err)?;
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return Err(HarnessError::Other(format!(
+            "GET http://{addr}{path}: {head}"
+        )));
+    }
+    Ok(body.to_string())
 }

@@ -149,3 +149,103 @@ fn thaw_and_kill(cgroups_path: &str, dir: &Path) {
         }
     }
 }
+
+/// What a sandbox's cgroups say it used, at one instant (cgroup v1: `cpuacct` and
+/// `memory`, the totals of the sandbox's cgroup and its children).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UsageSample {
+    /// CPU time since the cgroup was made, in nanoseconds.
+    pub cpu_ns: u64,
+    /// Everything charged to the cgroup (`memory.usage_in_bytes`).
+    pub charged: u64,
+    /// Anonymous memory (the sentry's heap and stacks).
+    pub rss: u64,
+    /// Shared memory: gVisor's memory file, which holds the workload's pages.
+    pub shmem: u64,
+    /// Page cache, shmem included.
+    pub cache: u64,
+    /// File pages the kernel would reclaim first.
+    pub inactive_file: u64,
+}
+
+impl UsageSample {
+    /// The working set: what is charged minus the inactive file pages (the kubelet's
+    /// and `kubectl top`'s definition).
+    pub fn working_set(&self) -> u64 {
+        self.charged.saturating_sub(self.inactive_file)
+    }
+
+    /// The sandbox's own pages: anonymous memory and its memory file.
+    pub fn own(&self) -> u64 {
+        self.rss + self.shmem
+    }
+
+    /// File pages charged to it (a snapshot's pages it read, its root's files).
+    pub fn file_pages(&self) -> u64 {
+        self.cache.saturating_sub(self.shmem)
+    }
+
+    /// Reads the sandbox's cgroups.
+    pub fn read(cgroups_path: &str) -> Result<UsageSample> {
+        let read = |controller: &str, name: &str| -> Result<String> {
+            let p = file(controller, cgroups_path, name);
+            fs::read_to_string(&p).map_err(|e| Error::io("read", &p, e))
+        };
+        let number = |what: &str, s: &str| -> Result<u64> {
+            s.trim().parse().map_err(|_| Error::Sandbox {
+                id: cgroups_path.into(),
+                reason: format!("bad {what} {s:?}"),
+            })
+        };
+        let mut sample = UsageSample {
+            cpu_ns: number("cpuacct.usage", &read("cpuacct", "cpuacct.usage")?)?,
+            charged: number(
+                "memory.usage_in_bytes",
+                &read("memory", "memory.usage_in_bytes")?,
+            )?,
+            ..UsageSample::default()
+        };
+        sample.take_stat(&read("memory", "memory.stat")?);
+        Ok(sample)
+    }
+
+    /// Takes the hierarchical totals of a `memory.stat`.
+    fn take_stat(&mut self, stat: &str) {
+        for line in stat.lines() {
+            let mut words = line.split_whitespace();
+            let (Some(key), Some(value)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(value) = value.parse::<u64>() else {
+                continue;
+            };
+            match key {
+                "total_rss" => self.rss = value,
+                "total_shmem" => self.shmem = value,
+                "total_cache" => self.cache = value,
+                "total_inactive_file" => self.inactive_file = value,
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod usage_tests {
+    use super::*;
+
+    #[test]
+    fn a_memory_stat_gives_own_shared_and_working_set() {
+        let mut s = UsageSample {
+            charged: 500 << 20,
+            ..UsageSample::default()
+        };
+        s.take_stat(
+            "cache 1\nrss 2\nshmem 3\ntotal_cache 314572800\ntotal_rss 52428800\n\
+             total_shmem 209715200\ntotal_inactive_file 20971520\nbogus\ntotal_x y\n",
+        );
+        assert_eq!(s.own(), 250 << 20);
+        assert_eq!(s.file_pages(), 100 << 20);
+        assert_eq!(s.working_set(), 480 << 20);
+    }
+}

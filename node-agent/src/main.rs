@@ -262,6 +262,15 @@ enum Command {
         /// `--background`, else eager. A mode this runsc lacks refuses to start.
         #[arg(long, env = "RAMIFY_RESTORE_PAGES", default_value = "auto")]
         restore_pages: RestorePages,
+        /// How often each sandbox's CPU and memory are read from its cgroups, for its
+        /// gauges and `status.usage` (which is written at most once a minute, when it
+        /// changed). 0: never.
+        #[arg(long, env = "RAMIFY_USAGE_INTERVAL_SECONDS", default_value_t = 10)]
+        usage_interval_seconds: u64,
+        /// The least time between two `status.usage` writes of one sandbox (each wakes
+        /// every watcher of Sandboxes; the gauges are fresh every interval regardless).
+        #[arg(long, env = "RAMIFY_USAGE_WRITE_EVERY_SECONDS", default_value_t = 60)]
+        usage_write_every_seconds: u64,
         #[command(flatten)]
         capacity_args: Box<CapacityArgs>,
         #[command(flatten)]
@@ -485,6 +494,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             leave_pod_cgroup,
             release_node_on_exit,
             restore_pages,
+            usage_interval_seconds,
+            usage_write_every_seconds,
             capacity_args,
             rootfs,
             registries,
@@ -621,6 +632,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     },
                     snapshot_store_quota,
                     remote: object_store.remote()?,
+                    usage_interval: std::time::Duration::from_secs(usage_interval_seconds),
+                    usage_write_every: std::time::Duration::from_secs(usage_write_every_seconds),
                 },
                 registry,
                 metrics,

@@ -514,14 +514,28 @@ impl Runsc {
         timeout: Duration,
         tail: Option<usize>,
     ) -> Result<Output> {
-        let mut c = self.exec_cmd(ctx, argv, env)?.timeout(timeout);
-        if let Some(p) = stdin {
-            c = c.stdin_file(p);
+        let mut attempt = 0;
+        loop {
+            let mut c = self.exec_cmd(ctx, argv, env)?.timeout(timeout);
+            if let Some(p) = stdin {
+                c = c.stdin_file(p);
+            }
+            if let Some(tail) = tail {
+                c = c.keep_tail(tail, tail);
+            }
+            let out = c.output().await?;
+            // The sandbox's control server refused the connection: the command never
+            // started, so it is tried again. Seen once in a full suite on a loaded
+            // machine, right after a restore (a Unix socket refuses a connect while its
+            // listener's backlog is full); a sandbox that is gone refuses every time.
+            if attempt < 3 && out.code != 0 && refused_by_control_server(&out.stderr) {
+                attempt += 1;
+                tracing::debug!(id = %ctx.id, attempt, "runsc exec: control server refused; again");
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                continue;
+            }
+            return Ok(out);
         }
-        if let Some(tail) = tail {
-            c = c.keep_tail(tail, tail);
-        }
-        c.output().await
     }
 
     #[instrument(skip(self, ctx), fields(id = %ctx.id))]
@@ -572,6 +586,12 @@ impl Runsc {
             .await
             .map(|_| ())
     }
+}
+
+/// Whether `runsc exec` failed to reach the sandbox at all (its command never ran).
+fn refused_by_control_server(stderr: &[u8]) -> bool {
+    let e = String::from_utf8_lossy(stderr);
+    e.contains("connecting to control server") && e.contains("connection refused")
 }
 
 #[cfg(test)]
@@ -655,5 +675,18 @@ mod tests {
             None
         );
         assert_eq!(parse_release_date("runsc version ramify-go"), None);
+    }
+}
+
+#[cfg(test)]
+mod exec_retry_tests {
+    #[test]
+    fn only_a_refused_connection_to_the_control_server_is_tried_again() {
+        let refused = b"executing processes for container: executing command \"sh\" in sandbox: connecting to control server at PID 12421: connection refused";
+        assert!(super::refused_by_control_server(refused));
+        assert!(!super::refused_by_control_server(b"sh: exit 1"));
+        assert!(!super::refused_by_control_server(
+            b"connecting to control server at PID 1: no such process"
+        ));
     }
 }

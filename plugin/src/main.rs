@@ -8,6 +8,7 @@
 //! (ramify-api), with the kubeconfig's own identity: RBAC on `sandboxes/exec`,
 //! `sandboxes/log` and `sandboxes/diff` in the sandbox's namespace decides.
 
+mod top;
 mod tree;
 
 use std::collections::BTreeSet;
@@ -163,6 +164,16 @@ enum Cmd {
         node: String,
         #[arg(long, default_value = "ramify-system")]
         system_namespace: String,
+    },
+    /// What each sandbox uses: CPU, resident memory, its own pages and the file pages
+    /// charged to it, as its node agent last sampled them (`status.usage`), most
+    /// memory first.
+    Top {
+        /// One sandbox (default: every sandbox of the namespace).
+        sandbox: Option<String>,
+        /// Every namespace.
+        #[arg(short = 'A', long)]
+        all_namespaces: bool,
     },
     /// Print a sandbox's console output (needs `get` on `sandboxes/log`).
     Logs { sandbox: String },
@@ -346,6 +357,36 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 for r in roots {
                     print!("{}", tree::render(&w, r));
                 }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Top {
+            sandbox,
+            all_namespaces,
+        } => {
+            let api: Api<Sandbox> = if all_namespaces {
+                Api::all(client.clone())
+            } else {
+                sandboxes.clone()
+            };
+            let mut listed = api.list(&ListParams::default()).await?.items;
+            if let Some(name) = &sandbox {
+                listed.retain(|s| &s.name_any() == name);
+                if listed.is_empty() {
+                    return Err(Error::NotFound(format!(
+                        "sandbox {name} not found in namespace {ns}"
+                    )));
+                }
+            }
+            let rows = top::rows(&listed, k8s_openapi::jiff::Timestamp::now());
+            if json_out {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&top::to_json(&rows))
+                        .map_err(|e| Error::Other(e.to_string()))?
+                );
+            } else {
+                print!("{}", top::render(&rows, all_namespaces));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -52,6 +52,8 @@ pub async fn serve(
         .route("/readyz", get(readyz))
         .with_state(AppState { registry, health });
     let listener = tokio::net::TcpListener::bind(addr).await?;
+    // The address bound (a port of 0 asks for any free one: the tests read it here).
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
     axum::serve(listener, app).await
 }
 

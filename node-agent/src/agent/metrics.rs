@@ -58,6 +58,21 @@ pub struct RecordLabels {
     pub record: String,
 }
 
+/// One sandbox of this node (its gauges go with it).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SandboxLabels {
+    pub namespace: String,
+    pub name: String,
+}
+
+/// `kind` is `working_set`, `own` or `file` (see `ramify_crds::usage::SandboxUsage`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SandboxMemoryLabels {
+    pub namespace: String,
+    pub name: String,
+    pub kind: String,
+}
+
 /// Every metric the agent exports.
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -89,6 +104,8 @@ pub struct AgentMetrics {
     pub restores_running: Gauge,
     pub restores_waiting: Gauge,
     pub frozen_branches: Gauge,
+    pub sandbox_cpu: Family<SandboxLabels, Gauge>,
+    pub sandbox_memory: Family<SandboxMemoryLabels, Gauge>,
     /// Records skipped at resume because they do not parse (each also an Event).
     pub corrupt_records: Family<RecordLabels, Counter>,
 }
@@ -137,6 +154,8 @@ impl AgentMetrics {
             restores_running: Gauge::default(),
             restores_waiting: Gauge::default(),
             frozen_branches: Gauge::default(),
+            sandbox_cpu: Family::default(),
+            sandbox_memory: Family::default(),
             corrupt_records: Family::default(),
         };
         r.register("reconcile_runs", "Reconciliations run", m.runs.clone());
@@ -251,6 +270,16 @@ impl AgentMetrics {
             m.frozen_branches.clone(),
         );
         r.register(
+            "sandbox_cpu_millicores",
+            "CPU a sandbox used over the last sampling interval (--usage-interval)",
+            m.sandbox_cpu.clone(),
+        );
+        r.register(
+            "sandbox_memory_bytes",
+            "A sandbox's memory by kind: working_set (resident), own (its workload's and the sentry's pages), file (file pages charged to it)",
+            m.sandbox_memory.clone(),
+        );
+        r.register(
             "corrupt_records",
             "Records skipped at resume because they do not parse",
             m.corrupt_records.clone(),
@@ -271,6 +300,37 @@ impl AgentMetrics {
         Self {
             registry: Arc::new(r),
             ..m
+        }
+    }
+
+    /// A sandbox's latest usage figures.
+    pub fn set_sandbox_usage(&self, l: &SandboxLabels, f: &super::usage::Figures) {
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.sandbox_cpu.get_or_create(l).set(gauge(f.cpu_millis));
+        for (kind, v) in [
+            ("working_set", f.working_set),
+            ("own", f.own),
+            ("file", f.file_pages),
+        ] {
+            self.sandbox_memory
+                .get_or_create(&Self::memory_labels(l, kind))
+                .set(gauge(v));
+        }
+    }
+
+    /// Removes a sandbox's series (it left the node, or stopped running).
+    pub fn forget_sandbox_usage(&self, l: &SandboxLabels) {
+        self.sandbox_cpu.remove(l);
+        for kind in ["working_set", "own", "file"] {
+            self.sandbox_memory.remove(&Self::memory_labels(l, kind));
+        }
+    }
+
+    fn memory_labels(l: &SandboxLabels, kind: &str) -> SandboxMemoryLabels {
+        SandboxMemoryLabels {
+            namespace: l.namespace.clone(),
+            name: l.name.clone(),
+            kind: kind.into(),
         }
     }
 

@@ -38,6 +38,7 @@ mod snapshot_remote;
 mod start;
 mod store_quota;
 mod suspend;
+mod usage;
 pub mod verdict_watch;
 pub mod writes;
 
@@ -92,6 +93,10 @@ pub struct AgentConfig {
     pub snapshot_store_quota: u64,
     /// The cluster's object store for snapshot images; None: images stay local.
     pub remote: Option<crate::remote::RemoteStore>,
+    /// How often each sandbox's usage is sampled (zero: never).
+    pub usage_interval: Duration,
+    /// The least time between two `status.usage` writes of one sandbox.
+    pub usage_write_every: Duration,
 }
 
 type Handle = Arc<AsyncMutex<Option<LocalSandbox>>>;
@@ -142,6 +147,8 @@ pub struct Agent {
     fetched_kick: tokio::sync::Notify,
     /// Background uploads of snapshot images to the object store, by Snapshot uid.
     uploads: snapshot_remote::Uploads,
+    /// What each held sandbox uses (gauges and `status.usage`).
+    usage: usage::Usage,
 }
 
 /// What the agent's watches hold: its node's Snapshots and BranchSets, and the
@@ -189,6 +196,7 @@ impl Agent {
         );
         let admission = admission::Admission::new(cfg.allocatable, cfg.max_restores);
         let settler = backoff::settler(&cfg.node, recorder.clone());
+        let usage = usage::Usage::new(cfg.usage_interval, cfg.usage_write_every);
         Self {
             client,
             engine,
@@ -212,6 +220,7 @@ impl Agent {
             image_gc_kick: tokio::sync::Notify::new(),
             fetched_kick: tokio::sync::Notify::new(),
             uploads: snapshot_remote::Uploads::default(),
+            usage,
         }
     }
 
@@ -258,6 +267,7 @@ impl Agent {
 
     fn take_handle(&self, uid: &str) -> Option<Handle> {
         self.place(uid, None);
+        self.usage.forget(uid, &self.metrics);
         let mut m = self.handles.lock().ok()?;
         let h = m.remove(uid);
         self.metrics
@@ -489,6 +499,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let moved = tokio::spawn(agent.clone().sweep_moved());
     let fetched = tokio::spawn(agent.clone().sweep_fetched());
     let drain = tokio::spawn(agent.clone().watch_drain());
+    let usage = tokio::spawn(agent.clone().report_usage());
     if agent.cfg.mode == ramify_crds::pod::Mode::Cluster {
         tokio::spawn(agent.clone().heartbeat_pods());
     }
@@ -500,5 +511,6 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     moved.abort();
     fetched.abort();
     drain.abort();
+    usage.abort();
     Ok(())
 }
