@@ -181,6 +181,6 @@ echo "   image: $(kubectl get sandbox py -o jsonpath='{.spec.image}')@$(kubectl 
 echo "   $(exec_in py python3 -c 'import sqlite3, sys; print("python", sys.version.split()[0], "sqlite", sqlite3.sqlite_version)')"
 echo
 echo "Explore:   export KUBECONFIG=$RAMIFY_CP_DIR/kubeconfig PATH=$(dirname "$(command -v kubectl)"):$repo/target/debug:\$PATH"
-echo "           kubectl get sandboxes,snapshots,branchsets; kubectl ramify status workspace (README: kubectl ramify)"
-echo "Check:     hack/demo-check.sh (runs every kubectl ramify example of the README)"
+echo "           kubectl get sandboxes,snapshots,branchsets; kubectl ramify status workspace (README.md: Quickstart)"
+echo "Check:     hack/demo-check.sh (runs the commands of README.md and docs/ against this demo)"
 echo "Stop:      make down"

@@ -3,7 +3,8 @@
 # then every test binary of every tier (pure unit, real kube-apiserver, real runsc, real
 # node, the system as processes, the fault matrix, Helm, the node agent again on the
 # current runsc, the benches once each with their smallest settings, the demo and the
-# README's examples) in two lanes at once (hack/testrun.py says how they are kept apart).
+# commands of README.md and docs/) in two lanes at once (hack/testrun.py says how they
+# are kept apart).
 # Nothing is skipped: a missing binary fails the run. Every step and every test binary
 # runs whatever failed before it; the run ends with a table of where the time went, the
 # 20 slowest tests, every failure, and one closing line.
@@ -53,6 +54,8 @@ done
 step "cargo fmt --check" cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-targets --locked -- -D warnings
 step "CRD YAML matches the Rust types" cargo run -q --locked -p ramify-crds --bin crdgen -- --check crds/yaml
+step "docs: every relative link and anchor resolves" python3 hack/doc-links.py
+step "docs: every command block says whether the demo check runs it" python3 hack/doc-blocks.py check
 # A test binary reused from another clone of this tree (hack/lib/cargo-target.sh) must not
 # look for the repository where it was compiled: every path is found at run time.
 step "no compile-time repository paths (binaries are reused across clones)" \
