@@ -13,8 +13,9 @@ test: ## the whole test suite, as CI runs it
 bench: ## every benchmark in full, beside its baseline (a quiet machine; about 40 minutes)
 	hack/bench.sh
 
-crds: ## regenerate crds/yaml from the Rust types, and its copies in the chart and config/crd
+crds: ## regenerate crds/yaml from the Rust types, its copies in the chart and config/crd, and docs/api-reference.md
 	cargo run -q -p ramify-crds --bin crdgen -- --write crds/yaml
+	cargo run -q -p ramify-crds --bin crdgen -- --docs docs/api-reference.md
 	cp crds/yaml/ramify.dev.yaml charts/ramify/crds/ramify.dev.yaml
 	cp crds/yaml/ramify.dev.yaml config/crd/ramify.dev.yaml
 

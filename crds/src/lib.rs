@@ -9,6 +9,7 @@ pub mod image;
 pub mod names;
 pub mod platform;
 pub mod pod;
+pub mod reference;
 pub mod rootfsclass;
 pub mod sandbox;
 pub mod snapshot;
