@@ -252,6 +252,9 @@ def run(bs: list[Block], python: str, endpoints: list[str]) -> int:
     if errs:
         print("\n".join(errs), file=sys.stderr)
         return 1
+    if not any(b.action == "run" for b in bs):
+        print("demo-check: no block of README.md or docs/ is marked to run", file=sys.stderr)
+        return 1
     ran = manifests = 0
     for n, b in enumerate(bs):
         if b.action == "dry-run":
@@ -267,7 +270,7 @@ def run(bs: list[Block], python: str, endpoints: list[str]) -> int:
             if r.returncode != 0:
                 sys.stderr.write(r.stderr)
                 raise SystemExit(f"demo-check: FAILED: the Python example at {b.where}")
-            if b.prints and r.stdout.splitlines() != b.prints:
+            if b.prints and r.stdout.rstrip("\n").splitlines() != b.prints:
                 raise SystemExit(
                     f"demo-check: the Python example at {b.where} printed something else "
                     f"than its marker says ({' / '.join(b.prints)})"
