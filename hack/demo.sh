@@ -163,7 +163,6 @@ kubectl apply -f config/samples/branchset.yaml >/dev/null
 kubectl wait branchset/try-fixes --for=jsonpath='{.status.phase}'=Committed --timeout=180s >/dev/null || {
   kubectl get branchset try-fixes -o yaml; tail -n 30 "$state/node-agent.log"; exit 1; }
 kubectl get snapshot try-fixes-base -o custom-columns='SNAPSHOT:.metadata.name,SIZE:.status.sizeBytes,CAPTURE-MS:.status.captureMillis,SOURCE-PAUSE-MS:.status.sourcePauseMillis,RUNSC:.status.runscVersion'
-echo
 echo "   (times of the debug builds make demo runs, on this machine; the images ship release builds: make bench measures those)"
 printf 'BRANCH\tPHASE\tVERDICT\tFORK-MS\tRUN-MS\tWHY\n'
 kubectl get branchset try-fixes -o jsonpath='{range .status.branches[*]}{.name}{"\t"}{.phase}{"\t"}{.verdict}{"\t"}{.forkMillis}{"\t"}{.runMillis}{"\t"}{.reason}{"\n"}{end}'

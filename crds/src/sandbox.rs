@@ -469,7 +469,8 @@ pub struct SandboxStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub self_fork: Option<SelfForkStatus>,
     /// What the sandbox uses, as its cgroups on the node say (written by the node
-    /// agent while it runs, at most once a minute and when it changed).
+    /// agent while it runs, when it changed, at most once per its
+    /// `--usage-write-every-seconds`: a minute unless set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<crate::usage::SandboxUsage>,
     /// The `.metadata.generation` last acted upon.

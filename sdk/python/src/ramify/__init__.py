@@ -5,6 +5,7 @@ The synchronous API lives here; :mod:`ramify.aio` has the same names for asyncio
 
 from ._client import Client
 from ._exec import ExecResult
+from ._usage import Usage
 from .branchset import (
     FIRST_COMMIT_WINS,
     MANUAL,
@@ -70,5 +71,6 @@ __all__ = [
     "Snapshot",
     "SnapshotFailed",
     "Timeout",
+    "Usage",
     "WrongState",
 ]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _exec
 from ._client import API_VERSION, LABEL_NODE, Client, Obj, ready_reason
 from ._exec import ExecResult
+from ._usage import Usage
 from .errors import (
     ImagePullFailed,
     NotFound,
@@ -187,6 +188,13 @@ class Sandbox:
         """The digest of the image manifest it runs (``status.imageDigest``), once pulled."""
         d = self.status.get("imageDigest")
         return None if d is None else str(d)
+
+    @property
+    def usage(self) -> Usage | None:
+        """What it uses (``status.usage``: CPU and memory, sampled by its node agent from
+        its cgroups), or ``None`` while it is not running or not sampled yet. Call
+        :meth:`refresh` first for fresh figures."""
+        return Usage.from_status(self.status)
 
     def wait_running(self, timeout: float | None = 120, fail_on_pull_error: bool = True) -> Sandbox:
         """Waits until the sandbox's processes run. Raises :class:`SandboxFailed` (with
