@@ -465,3 +465,100 @@ async fn exec_and_logs_are_authorized_per_namespace_by_rbac() {
     b_ns.delete().await.unwrap();
     sys.teardown_and_check_clean().await;
 }
+
+/// The numbers of `line N` lines in `text`.
+fn line_numbers(text: &str) -> Vec<u64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("line ").and_then(|n| n.trim().parse().ok()))
+        .collect()
+}
+
+#[tokio::test]
+async fn logs_follow_as_lines_come_show_the_tail_and_end_with_the_sandbox() {
+    let sys = System::start("logs").await;
+    let _api = sys.start_api();
+    sys.apply(&sys.sandbox_with(
+        "talker",
+        "i=0; while :; do i=$((i+1)); echo line $i; sleep 0.3; done",
+        "",
+    ));
+    sys.wait_sandbox("talker", "running", 120, |s| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == SandboxPhase::Running)
+    })
+    .await;
+    // `--tail 2`: its last two lines, consecutive, once it printed a few.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, out, err) = sys.plugin(&["logs", "talker"]);
+        assert_eq!(code, 0, "logs: {err}");
+        if line_numbers(&out).len() >= 5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "talker printed only {out:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let (code, out, err) = sys.plugin(&["logs", "talker", "--tail", "2"]);
+    assert_eq!(code, 0, "logs --tail 2: {err}");
+    let tail = line_numbers(&out);
+    assert_eq!(tail.len(), 2, "{out:?}");
+    assert_eq!(tail[1], tail[0] + 1, "{out:?}");
+    assert!(tail[0] >= 4, "the last lines, not the first: {out:?}");
+
+    // `-f --tail 1`: the last line, then each line as it is printed.
+    let mut child = Command::new(ramify_e2e::binary("kubectl-ramify").unwrap())
+        .args(["-n", &sys.ns.name, "logs", "talker", "-f", "--tail", "1"])
+        .env("KUBECONFIG", &sys.cp.kubeconfig)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let Ok(line) = line else { break };
+            if tx.send((Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    while seen.len() < 6 {
+        let (at, line) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("logs -f: no line for 20 s ({e}); seen {seen:?}"));
+        seen.push((at, line_numbers(&line)[0]));
+    }
+    let numbers: Vec<u64> = seen.iter().map(|(_, n)| *n).collect();
+    assert!(
+        numbers.windows(2).all(|w| w[1] == w[0] + 1),
+        "in order, none lost: {numbers:?}"
+    );
+    // As they come: the last of them arrived over a second after the first.
+    let spread = seen[5].0.duration_since(seen[0].0);
+    assert!(
+        spread > Duration::from_secs(1),
+        "the lines came together ({spread:?}): not followed"
+    );
+    println!("logs -f: lines {numbers:?} over {spread:?}");
+
+    // The sandbox goes: the follow ends, and the command with it (exit 0).
+    sys.sandboxes()
+        .delete("talker", &DeleteParams::default())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "logs -f outlived its sandbox by a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(status.success(), "logs -f ended with {status}");
+    sys.teardown_and_check_clean().await;
+}

@@ -176,7 +176,15 @@ enum Cmd {
         all_namespaces: bool,
     },
     /// Print a sandbox's console output (needs `get` on `sandboxes/log`).
-    Logs { sandbox: String },
+    Logs {
+        sandbox: String,
+        /// Keep printing what it prints next, as it comes, until it stops running.
+        #[arg(short, long)]
+        follow: bool,
+        /// Only its last N lines (then, following, what comes).
+        #[arg(long, value_name = "N")]
+        tail: Option<u64>,
+    },
     /// List the files a branch changed since it was restored, under the globs (needs
     /// `get` on `sandboxes/diff`).
     Diff {
@@ -525,13 +533,26 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
             exec(&client, &ns, &sandbox, &command).await
         }
-        Cmd::Logs { sandbox } => {
+        Cmd::Logs {
+            sandbox,
+            follow,
+            tail,
+        } => {
+            // A Pod log's query parameters (`kubectl logs -f --tail`).
+            let tail = tail.map(|n| n.to_string());
+            let mut query: Vec<(&str, &str)> = Vec::new();
+            if follow {
+                query.push(("follow", "true"));
+            }
+            if let Some(n) = &tail {
+                query.push(("tailLines", n.as_str()));
+            }
             get_subresource(
                 &client,
                 &ns,
                 &sandbox,
                 sub::SUBRESOURCE_LOG,
-                &[],
+                &query,
                 &mut std::io::stdout(),
             )
             .await?;

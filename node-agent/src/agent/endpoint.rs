@@ -7,13 +7,12 @@
 //!
 //! Paths (`GET`, below `/v1`): `namespaces/{ns}/sandboxes/{name}/exec?command=...`
 //! (a WebSocket with the Kubernetes channel protocol, output streamed as it comes),
-//! `.../log` (the console log, streamed) and `.../diff?path=GLOB` (JSON).
+//! `.../log?follow=true&tailLines=N` (the console log, streamed; following) and `.../diff?path=GLOB` (JSON).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
@@ -188,7 +187,16 @@ impl State {
         }
         match what {
             sub::SUBRESOURCE_EXEC => self.exec(&mut req, sb),
-            sub::SUBRESOURCE_LOG => self.log(&sb).await,
+            sub::SUBRESOURCE_LOG => {
+                let opts = match super::console_log::LogOptions::parse(
+                    &https::query_values(&req, "follow"),
+                    &https::query_values(&req, "tailLines"),
+                ) {
+                    Ok(o) => o,
+                    Err(why) => return https::status(StatusCode::BAD_REQUEST, &why),
+                };
+                self.log(sb, opts)
+            }
             sub::SUBRESOURCE_DIFF => {
                 let mut globs = https::query_values(&req, "path");
                 if globs.is_empty() {
@@ -254,26 +262,18 @@ impl State {
         accept.response
     }
 
-    async fn log(&self, sb: &LocalSandbox) -> Response<Body> {
-        let path = self.engine.log_path(sb);
-        let file = match tokio::fs::File::open(&path).await {
-            Ok(f) => f,
-            // A sandbox that printed nothing yet has no log file: an empty log.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Response::new(https::full(Bytes::new()));
-            }
-            Err(e) => return error_response(&crate::Error::io("open", &path, e).into()),
+    /// The console log, streamed (see [`super::console_log`]): following, until the
+    /// sandbox stops running or the client goes.
+    fn log(&self, sb: LocalSandbox, opts: super::console_log::LogOptions) -> Response<Body> {
+        let path = self.engine.log_path(&sb);
+        let engine = self.engine.clone();
+        let sb = Arc::new(sb);
+        let alive = move || {
+            let (engine, sb) = (engine.clone(), sb.clone());
+            async move { engine.is_running(&sb).await.unwrap_or(false) }
         };
-        let chunks = futures::stream::unfold(file, |mut f| async move {
-            let mut buf = vec![0u8; 64 << 10];
-            match f.read(&mut buf).await {
-                Ok(0) => None,
-                Ok(n) => {
-                    buf.truncate(n);
-                    Some((Ok(Frame::data(Bytes::from(buf))), f))
-                }
-                Err(e) => Some((Err(e), f)),
-            }
+        let chunks = futures::StreamExt::map(super::console_log::stream(path, opts, alive), |c| {
+            c.map(Frame::data)
         });
         let mut r = Response::new(BodyExt::boxed(StreamBody::new(chunks)));
         r.headers_mut().insert(

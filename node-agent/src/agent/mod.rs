@@ -13,6 +13,7 @@ pub mod backoff;
 mod branch_run;
 mod commit;
 pub mod commit_guard;
+pub mod console_log;
 pub mod decided;
 mod drain;
 pub mod endpoint;
