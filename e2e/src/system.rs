@@ -727,14 +727,19 @@ spec:
         )
     }
 
-    pub async fn running_workspace(&self) {
-        self.apply(&self.workspace());
-        self.wait_sandbox("workspace", "Running", 120, |s| {
+    /// Waits up to two minutes for sandbox `name` to run.
+    pub async fn wait_running(&self, name: &str) -> Sandbox {
+        self.wait_sandbox(name, "Running", 120, |s| {
             s.status
                 .as_ref()
                 .is_some_and(|st| st.phase == SandboxPhase::Running)
         })
-        .await;
+        .await
+    }
+
+    pub async fn running_workspace(&self) {
+        self.apply(&self.workspace());
+        self.wait_running("workspace").await;
         // The workload has written its config before anyone forks it.
         let deadline = Instant::now() + Duration::from_secs(30);
         while self.exec("workspace", "cat /work/app.conf").1 != "mode=slow" {

@@ -482,12 +482,7 @@ async fn logs_follow_as_lines_come_show_the_tail_and_end_with_the_sandbox() {
         "i=0; while :; do i=$((i+1)); echo line $i; sleep 0.3; done",
         "",
     ));
-    sys.wait_sandbox("talker", "running", 120, |s| {
-        s.status
-            .as_ref()
-            .is_some_and(|st| st.phase == SandboxPhase::Running)
-    })
-    .await;
+    sys.wait_running("talker").await;
     // `--tail 2`: its last two lines, consecutive, once it printed a few.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
