@@ -305,6 +305,47 @@ impl TestNamespace {
         api.delete(&self.name, &DeleteParams::default()).await?;
         Ok(())
     }
+
+    /// Deletes the namespace in a test that plays the (absent) node agent: it releases
+    /// the node-cleanup finalizers of the namespace's Sandboxes and Snapshots, so
+    /// nothing is left terminating on the control plane.
+    pub async fn delete_as_absent_agent(self) -> Result<(), HarnessError> {
+        use kube::ResourceExt;
+        let (client, name) = (self.client.clone(), self.name.clone());
+        self.delete().await?;
+        let sandboxes: Api<ramify_crds::Sandbox> = Api::namespaced(client.clone(), &name);
+        let snapshots: Api<ramify_crds::Snapshot> = Api::namespaced(client, &name);
+        let unfinalize = serde_json::json!({"metadata": {"finalizers": null}});
+        let patch = PatchParams::default();
+        for _ in 0..50 {
+            let lp = kube::api::ListParams::default();
+            let sbx = sandboxes
+                .list(&lp)
+                .await
+                .map(|l| l.items)
+                .unwrap_or_default();
+            let snp = snapshots
+                .list(&lp)
+                .await
+                .map(|l| l.items)
+                .unwrap_or_default();
+            if sbx.is_empty() && snp.is_empty() {
+                return Ok(());
+            }
+            for s in sbx {
+                let _ = sandboxes
+                    .patch(&s.name_any(), &patch, &Patch::Merge(&unfinalize))
+                    .await;
+            }
+            for s in snp {
+                let _ = snapshots
+                    .patch(&s.name_any(), &patch, &Patch::Merge(&unfinalize))
+                    .await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
+    }
 }
 
 /// The ramify binaries built by `cargo build` (the test command builds them first).

@@ -298,51 +298,12 @@ fn column(text: &str, name: &str, column: &str) -> String {
         .to_string()
 }
 
-/// Ends a test: the namespace goes and the test (the absent agent) releases the
-/// node-cleanup finalizers; the node's lease goes too.
+/// Ends a test: the node leases go, then the namespace (the test plays the agent).
 async fn finish(client: &Client, ns: TestNamespace, nodes: &[&str]) {
     for node in nodes {
         forget_node(client, node).await;
     }
-    let name = ns.name.clone();
-    ns.delete().await.unwrap();
-    let sandboxes: Api<Sandbox> = Api::namespaced(client.clone(), &name);
-    let snapshots: Api<Snapshot> = Api::namespaced(client.clone(), &name);
-    let unfinalize = json!({"metadata": {"finalizers": null}});
-    for _ in 0..50 {
-        let sbx = sandboxes
-            .list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default();
-        let snp = snapshots
-            .list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default();
-        if sbx.is_empty() && snp.is_empty() {
-            return;
-        }
-        for s in sbx {
-            let _ = sandboxes
-                .patch(
-                    &s.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&unfinalize),
-                )
-                .await;
-        }
-        for s in snp {
-            let _ = snapshots
-                .patch(
-                    &s.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&unfinalize),
-                )
-                .await;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    ns.delete_as_absent_agent().await.unwrap();
 }
 
 fn condition(bs: &BranchSet, type_: &str) -> Option<(String, String)> {

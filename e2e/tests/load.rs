@@ -55,20 +55,11 @@ spec:
     )
 }
 
-async fn running(sys: &System, name: &str) -> Sandbox {
-    sys.wait_sandbox(name, "Running", 120, |s| {
-        s.status
-            .as_ref()
-            .is_some_and(|st| st.phase == SandboxPhase::Running)
-    })
-    .await
-}
-
 /// A system with the demo's workspace running (it asks 500m CPU and 256Mi).
 async fn with_workspace(name: &str) -> (System, Sandbox) {
     let sys = System::start(name).await;
     sys.apply(&sys.workspace_asking("500m"));
-    let ws = running(&sys, "workspace").await;
+    let ws = sys.wait_running("workspace").await;
     (sys, ws)
 }
 
@@ -725,7 +716,7 @@ async fn a_sandbox_that_does_not_fit_waits_saying_why_and_starts_when_room_frees
     assert_eq!(limit.trim().parse::<u64>().unwrap(), mem / 4096 * 4096);
 
     sys.apply(&fresh(&sys, "hog", "1"));
-    let hog = running(&sys, "hog").await;
+    let hog = sys.wait_running("hog").await;
     // Its own limit stays, below the ceiling.
     let own = std::fs::read_to_string(format!(
         "/sys/fs/cgroup/cpu/{}/{}/cpu.cfs_quota_us",
@@ -769,7 +760,7 @@ async fn a_sandbox_that_does_not_fit_waits_saying_why_and_starts_when_room_frees
         .delete("hog", &DeleteParams::default())
         .await
         .unwrap();
-    running(&sys, "late").await;
+    sys.wait_running("late").await;
     println!(
         "late started {:.1} s after hog was deleted",
         t0.elapsed().as_secs_f64()
@@ -808,7 +799,7 @@ async fn decided_branches_are_frozen_until_committed_and_a_look_thaws_them_for_a
     let _serial = SERIAL.lock().await;
     let sys = System::start("loadfreeze").await;
     sys.apply(&sys.workspace());
-    running(&sys, "workspace").await;
+    sys.wait_running("workspace").await;
     sys.apply(
         r#"apiVersion: ramify.dev/v1alpha1
 kind: BranchSet
@@ -981,7 +972,7 @@ async fn a_branchset_waiting_for_capacity_says_so_and_one_that_can_never_fit_fai
     // A workspace beside the source leaves less than a branch asks, for good: the set
     // fails at once, saying why, instead of waiting for its timeout.
     sys.apply(&fresh(&sys, "hog", &format!("{}m", alloc - 750)));
-    running(&sys, "hog").await;
+    sys.wait_running("hog").await;
     let t0 = Instant::now();
     sys.apply(&sleepers("never", "workspace", 2, 600));
     let failed = sys.wait_branchset("never", "ended", 60, ended).await;

@@ -133,50 +133,6 @@ async fn release_deleted(api: &Api<Sandbox>) {
     }
 }
 
-/// Ends a test: the namespace goes, and the test (playing the absent agent) releases
-/// the node-cleanup finalizers so nothing is left terminating on the control plane.
-async fn finish(client: &Client, ns: TestNamespace) {
-    let name = ns.name.clone();
-    ns.delete().await.unwrap();
-    let sandboxes: Api<Sandbox> = Api::namespaced(client.clone(), &name);
-    let snapshots: Api<Snapshot> = Api::namespaced(client.clone(), &name);
-    let unfinalize = json!({"metadata": {"finalizers": null}});
-    for _ in 0..50 {
-        let sbx = sandboxes
-            .list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default();
-        let snp = snapshots
-            .list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default();
-        if sbx.is_empty() && snp.is_empty() {
-            return;
-        }
-        for s in sbx {
-            let _ = sandboxes
-                .patch(
-                    &s.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&unfinalize),
-                )
-                .await;
-        }
-        for s in snp {
-            let _ = snapshots
-                .patch(
-                    &s.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&unfinalize),
-                )
-                .await;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// A running parent, a BranchSet of `n` branches forked from it, all branches running.
 async fn forked(client: &Client, ns: &str, bs: &str, n: usize) -> (Api<Sandbox>, Api<BranchSet>) {
     let sandboxes: Api<Sandbox> = Api::namespaced(client.clone(), ns);
@@ -351,7 +307,7 @@ async fn eight_simultaneous_commits_have_exactly_one_winner_twenty_times() {
         assert_eq!(won.len(), 1, "run {run}: exactly one branch won");
         release_deleted(&sandboxes).await;
     }
-    finish(&client, ns).await;
+    ns.delete_as_absent_agent().await.unwrap();
 }
 
 #[tokio::test]
@@ -385,7 +341,7 @@ async fn no_commit_before_the_timeout_exhausts_and_leaves_the_parent() {
     );
     let parent = sandboxes.get("parent").await.unwrap();
     assert!(parent.status.unwrap().last_commit.is_none());
-    finish(&client, ns).await;
+    ns.delete_as_absent_agent().await.unwrap();
 }
 
 #[tokio::test]
@@ -415,5 +371,5 @@ async fn deleting_a_branchset_removes_its_children_through_owner_references() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(left, 0, "the garbage collector removed every branch");
-    finish(&client, ns).await;
+    ns.delete_as_absent_agent().await.unwrap();
 }

@@ -4,7 +4,6 @@
 mod common;
 
 use common::*;
-use ramify_node_agent::engine::ForkOptions;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counter_forks_continue_and_diverge_parent_keeps_running() {
@@ -31,18 +30,7 @@ async fn counter_forks_continue_and_diverge_parent_keeps_running() {
         "snapshot {}: {} bytes, checkpoint {:?}, source pause {:?}",
         snap.meta.id, snap.meta.size_bytes, snap.checkpoint, snap.source_pause
     );
-    let branches = h
-        .engine
-        .fork(
-            &snap.meta.id,
-            4,
-            &ForkOptions {
-                name_prefix: "b".into(),
-                track: vec![],
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("fork: {e}"));
+    let branches = h.fork_n(&snap.meta.id, 4).await;
     assert_eq!(branches.len(), 4);
     // Every branch starts from the snapshot: its counter is >= v.
     let mut starts = Vec::new();

@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use ramify_node_agent::engine::{ForkOptions, LocalSandbox};
+use ramify_node_agent::engine::LocalSandbox;
 
 /// Busybox web servers serving /www: two on loopback only (IPv4 and IPv6), one on every
 /// address; then idle.
@@ -124,18 +124,7 @@ async fn a_sandbox_has_loopback_and_its_own_system_files_and_so_does_each_branch
         .snapshot(&mut parent, None)
         .await
         .unwrap_or_else(|e| panic!("snapshot: {e}"));
-    let branches = h
-        .engine
-        .fork(
-            &snap.meta.id,
-            2,
-            &ForkOptions {
-                name_prefix: "b".into(),
-                track: vec![],
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("fork: {e}"));
+    let branches = h.fork_n(&snap.meta.id, 2).await;
     for b in &branches {
         let lo = h.sh(b, "ip addr show dev lo").await;
         assert!(

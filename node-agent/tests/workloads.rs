@@ -17,7 +17,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use ramify_node_agent::engine::{ForkOptions, LocalSandbox};
+use ramify_node_agent::engine::LocalSandbox;
 
 const WORKSPACE: &str = r#"
 import http.server, multiprocessing, os, socket, socketserver, sqlite3, threading, time
@@ -237,18 +237,7 @@ async fn servers_pools_sqlite_wal_and_a_held_connection_work_in_every_branch_and
         .snapshot(&mut parent, None)
         .await
         .unwrap_or_else(|e| panic!("snapshot: {e}"));
-    let mut branches = h
-        .engine
-        .fork(
-            &snap.meta.id,
-            2,
-            &ForkOptions {
-                name_prefix: "b".into(),
-                track: vec![],
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("fork: {e}"));
+    let mut branches = h.fork_n(&snap.meta.id, 2).await;
     for b in &branches {
         h.sh(b, &format!("echo {} > /work/state", b.name)).await;
     }

@@ -231,6 +231,21 @@ pub async fn poll_until(what: &str, secs: u64, mut cond: impl AsyncFnMut() -> bo
 }
 
 impl Harness {
+    /// `n` branches of snapshot `snap_id`, named `b0`.., tracking nothing.
+    pub async fn fork_n(&self, snap_id: &str, n: u32) -> Vec<LocalSandbox> {
+        self.engine
+            .fork(
+                snap_id,
+                n,
+                &ramify_node_agent::engine::ForkOptions {
+                    name_prefix: "b".into(),
+                    track: vec![],
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("fork: {e}"))
+    }
+
     pub fn workload(&self, script: &str) -> WorkloadSpec {
         WorkloadSpec {
             args: vec!["/bin/sh".into(), "-c".into(), script.into()],
