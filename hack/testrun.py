@@ -40,12 +40,12 @@ REPO = Path(__file__).resolve().parent.parent
 # Test binaries that start the real kubelet node (one per machine): lane 0 only.
 NODE_JOBS = {"ramify-e2e/cluster", "ramify-e2e/node", "ramify-e2e/helm_install"}
 # Node agent suites that choose their runsc themselves (run once, not per runsc).
-OWN_RUNSC = {"ramify-node-agent/lazy_pages"}
+OWN_RUNSC = {"ramify-node-agent/lazy_pages", "ramify-node-agent/control_socket"}
 # Jobs whose assertions are about latency under load: run alone, after the lanes.
 SOLO_JOBS = {"ramify-e2e/load"}
 # Test binaries run with their output kept (their tables are the point); the report
 # prints the fault matrix's, without its per-step `fault: ` lines.
-NOCAPTURE = {"ramify-e2e/faults", "ramify-e2e/helm_install", "ramify-e2e/usage"}
+NOCAPTURE = {"ramify-e2e/faults", "ramify-e2e/helm_install", "ramify-e2e/usage", "ramify-node-agent/control_socket"}
 SHOWN = {"ramify-e2e/faults": re.compile(r"^fault: ")}
 
 TEST_START = re.compile(rb"(?m)^test (\S+) \.\.\. ")

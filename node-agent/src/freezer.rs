@@ -2,7 +2,9 @@
 //! losers once a winner is known) and idle warm-pool branches; a person's `exec` or
 //! `diff` into such a branch resumes it for the look and pauses it again after. Both go through one lock file in
 //! the sandbox's directory, so a look's refreeze cannot land after the agent thawed
-//! the branch for its commit (that would leave the new parent frozen).
+//! the branch for its commit (that would leave the new parent frozen). Pauses and
+//! resumes go through the sandbox's control socket when its runsc allows it
+//! ([`crate::runsc::control`]), else through the `runsc` CLI.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -10,6 +12,7 @@ use std::path::{Path, PathBuf};
 use crate::cgroup;
 use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
+use crate::runsc::control::Control;
 use crate::runsc::{Runsc, SandboxCtx};
 
 /// The lock file of a sandbox's freezer state.
@@ -39,9 +42,32 @@ impl FreezeLock {
 }
 
 /// The marker of a sandbox this agent paused, in its directory: the pause outlives an
-/// agent restart, and so must the knowledge of it.
+/// agent restart, and so must the knowledge of it. It also says how the sandbox was
+/// paused ([`Way`]), since it must be resumed the same way.
 fn marker(dir: &Path) -> PathBuf {
     dir.join("paused")
+}
+
+/// How a sandbox was paused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// `runsc pause`: runsc's state file says "paused" until `runsc resume`. An empty
+    /// marker (the only kind agents before the control socket wrote).
+    Cli,
+    /// A call on the sandbox's control socket ([`crate::runsc::control`]): runsc's
+    /// state file still says "running"; the sandbox itself says whether it is paused.
+    Control,
+}
+
+const CONTROL_MARK: &[u8] = b"control";
+
+/// How the sandbox whose directory is `dir` was paused (`None`: it was not).
+pub fn paused_by(dir: &Path) -> Option<Way> {
+    match std::fs::read(marker(dir)) {
+        Ok(b) if b == CONTROL_MARK => Some(Way::Control),
+        Ok(_) => Some(Way::Cli),
+        Err(_) => None,
+    }
 }
 
 /// Whether the kernel reports the sandbox's freezer cgroup FROZEN (or FREEZING).
@@ -58,9 +84,10 @@ pub fn is_paused(dir: &Path) -> bool {
 /// How deeply a sandbox is stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Depth {
-    /// `runsc pause`: the Sentry stops its tasks at a safe point, and the sandbox
-    /// resumes intact. Its own threads still use a little CPU (about 2% of a core
-    /// each on systrap: 100 paused branches kept 2 cores busy).
+    /// A pause (through the control socket, or `runsc pause`): the Sentry stops its
+    /// tasks at a safe point, and the sandbox resumes intact. Its own threads still use
+    /// a little CPU (about 2% of a core each on systrap: 100 paused branches kept 2
+    /// cores busy).
     Pause,
     /// [`Depth::Pause`], then the cgroup freezer: no CPU at all, but on systrap the
     /// sandbox may not survive the thaw (a task frozen inside a seccomp
@@ -71,6 +98,18 @@ pub enum Depth {
     Freeze,
 }
 
+/// The sandbox's control server, for a sandbox marked as paused through it.
+async fn control_of_marked(runsc: &Runsc, ctx: &SandboxCtx) -> Result<(Control, bool)> {
+    Control::of(ctx, runsc.control_support())
+        .await?
+        .ok_or_else(|| Error::Sandbox {
+            id: ctx.id.clone(),
+            reason: "it was paused through its control socket, which no longer answers \
+                     whether it is paused"
+                .into(),
+        })
+}
+
 /// Stops the sandbox as deeply as `depth` says. Call under the sandbox's [`FreezeLock`].
 pub async fn pause(
     runsc: &Runsc,
@@ -79,22 +118,45 @@ pub async fn pause(
     cgroups_path: &str,
     depth: Depth,
 ) -> Result<()> {
-    // Paused already (by this agent before it restarted): runsc refuses a second
-    // pause, and the mark must stay; only the depth may grow.
-    if is_paused(dir) {
-        // Unless the agent died between the mark and `runsc pause`: then it still runs.
-        if !is_frozen(cgroups_path) && runsc.state(ctx).await?.status == "running" {
-            runsc.pause(ctx).await?;
+    // Paused already (by this agent before it restarted): a second pause would nest
+    // (control socket) or be refused (runsc), and the mark must stay; only the depth
+    // may grow.
+    if let Some(way) = paused_by(dir) {
+        // Unless the agent died between the mark and the pause: then it still runs.
+        // (A frozen sandbox was paused first, and cannot answer.)
+        if !is_frozen(cgroups_path) {
+            match way {
+                Way::Control => {
+                    let (c, paused) = control_of_marked(runsc, ctx).await?;
+                    if !paused {
+                        c.pause().await?;
+                    }
+                }
+                Way::Cli => {
+                    if runsc.state(ctx).await?.status == "running" {
+                        runsc.pause(ctx).await?;
+                    }
+                }
+            }
         }
         return match depth {
             Depth::Pause => Ok(()),
             Depth::Freeze => cgroup::freeze(cgroups_path).await,
         };
     }
+    // The control socket when the sandbox answers on it: no runsc process started.
+    let control = Control::of(ctx, runsc.control_support()).await?;
     // Marked first: a pause whose mark was lost would never be resumed.
     let m = marker(dir);
-    std::fs::write(&m, b"").map_err(|e| Error::io("write", &m, e))?;
-    if let Err(e) = runsc.pause(ctx).await {
+    let mark: &[u8] = if control.is_some() { CONTROL_MARK } else { b"" };
+    std::fs::write(&m, mark).map_err(|e| Error::io("write", &m, e))?;
+    let paused = match &control {
+        // Not marked, so not paused by this agent: a pause it finds (a checkpoint
+        // under way) is not its own, and it adds its own.
+        Some((c, _)) => c.pause().await,
+        None => runsc.pause(ctx).await,
+    };
+    if let Err(e) = paused {
         let _ = std::fs::remove_file(&m);
         return Err(e);
     }
@@ -107,18 +169,31 @@ pub async fn pause(
 /// Lets a paused sandbox run again (nothing to do if it is not paused). Call under the
 /// sandbox's [`FreezeLock`].
 pub async fn resume(runsc: &Runsc, ctx: &SandboxCtx, dir: &Path, cgroups_path: &str) -> Result<()> {
-    if !is_paused(dir) {
+    let Some(way) = paused_by(dir) else {
         return Ok(());
-    }
-    // The reverse order: the Sentry must run to take `runsc resume`.
+    };
+    // The reverse order: the Sentry must run to take the resume.
     if cgroup::freezer_state_path(cgroups_path).exists() {
         cgroup::thaw(cgroups_path)?;
     }
-    if let Err(e) = runsc.resume(ctx).await {
-        // Marked, but the agent died before `runsc pause` ran: it runs already, and
-        // `runsc resume` refuses a running sandbox. Anything else is an error.
-        if !runsc.state(ctx).await.is_ok_and(|s| s.status == "running") {
-            return Err(e);
+    match way {
+        Way::Control => {
+            // Marked, but the agent died before the pause: it runs already, and a
+            // resume of a running sandbox's kernel would panic it.
+            let (c, paused) = control_of_marked(runsc, ctx).await?;
+            if paused {
+                c.resume().await?;
+            }
+        }
+        Way::Cli => {
+            if let Err(e) = runsc.resume(ctx).await {
+                // Marked, but the agent died before `runsc pause` ran: it runs already,
+                // and `runsc resume` refuses a running sandbox. Anything else is an
+                // error.
+                if !runsc.state(ctx).await.is_ok_and(|s| s.status == "running") {
+                    return Err(e);
+                }
+            }
         }
     }
     let m = marker(dir);

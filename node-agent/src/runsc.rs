@@ -13,6 +13,7 @@ use crate::cmd::{Cmd, Output};
 use crate::error::{Error, Result};
 use crate::platform::PlatformDecision;
 
+pub mod control;
 pub mod restore_pages;
 pub use restore_pages::RestorePages;
 
@@ -232,6 +233,8 @@ pub struct Runsc {
     platform: PlatformDecision,
     /// Resolved: never `Auto`.
     restore_pages: RestorePages,
+    /// Whether sandboxes' control servers are driven directly (learnt from the first).
+    control: control::Support,
 }
 
 impl Runsc {
@@ -274,7 +277,14 @@ impl Runsc {
             caps,
             platform,
             restore_pages,
+            control: control::Support::default(),
         })
+    }
+
+    /// Whether this runsc's sandboxes can be paused and resumed through their control
+    /// sockets ([`control`]); `None` until a sandbox was asked.
+    pub fn control_support(&self) -> &control::Support {
+        &self.control
     }
 
     pub fn caps(&self) -> &RunscCaps {

@@ -199,8 +199,22 @@ impl Engine {
         )
     }
 
+    /// A sandbox paused through its control socket would take an exec and run it only
+    /// once resumed (`runsc exec` refuses a sandbox that `runsc pause` paused): refused
+    /// at once here, as `runsc` does. A look resumes it first ([`crate::freezer::Look`]).
+    fn refuse_if_paused(sb: &LocalSandbox) -> Result<()> {
+        if crate::freezer::paused_by(&sb.dir) == Some(crate::freezer::Way::Control) {
+            return Err(Error::Sandbox {
+                id: sb.id.clone(),
+                reason: "it is paused: an exec needs it resumed first".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Run a command in the sandbox and collect stdout, stderr and exit code.
     pub async fn exec(&self, sb: &LocalSandbox, argv: &[&str]) -> Result<Output> {
+        Self::refuse_if_paused(sb)?;
         let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
         self.inner
             .runsc
@@ -270,6 +284,7 @@ impl Engine {
         timeout: Duration,
         tail: Option<usize>,
     ) -> Result<Output> {
+        Self::refuse_if_paused(sb)?;
         let mut all = sb.workload.env.clone();
         all.extend(env.iter().cloned());
         self.inner
@@ -281,6 +296,7 @@ impl Engine {
     /// A `runsc exec` of `argv` in the sandbox with its workload's environment, not
     /// started: the node endpoint streams its output as it comes.
     pub fn exec_command(&self, sb: &LocalSandbox, argv: &[String]) -> Result<crate::cmd::Cmd> {
+        Self::refuse_if_paused(sb)?;
         self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)
     }
 
