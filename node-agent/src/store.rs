@@ -20,6 +20,8 @@ use tracing::{info, instrument, warn};
 use crate::error::{Error, Result};
 use crate::spec::WorkloadSpec;
 
+mod held;
+
 const META: &str = "meta.json";
 const IMAGE: &str = "image";
 
@@ -111,6 +113,22 @@ fn valid_id(id: &str) -> bool {
 
 /// Largest meta.json read.
 const MAX_META_BYTES: u64 = 4 << 20;
+
+/// The metadata in `path` (of image `id`), read as [`open_regular`] allows.
+fn read_meta(path: &Path, id: &str) -> Result<SnapshotMeta> {
+    let mut bytes = Vec::new();
+    open_regular(path)?
+        .take(MAX_META_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::io("read snapshot metadata", path, e))?;
+    if bytes.len() as u64 > MAX_META_BYTES {
+        return Err(Error::Snapshot {
+            id: id.into(),
+            reason: format!("meta.json larger than {MAX_META_BYTES} bytes"),
+        });
+    }
+    Ok(serde_json::from_slice(&bytes)?)
+}
 
 /// Open a file of the store for reading: never through a symlink (O_NOFOLLOW), never
 /// blocking on a FIFO (O_NONBLOCK), and only if it is a regular file. Everything under
@@ -319,19 +337,7 @@ impl SnapshotStore {
     }
 
     pub fn meta(&self, id: &str) -> Result<SnapshotMeta> {
-        let path = self.snap_dir(id)?.join(META);
-        let mut bytes = Vec::new();
-        open_regular(&path)?
-            .take(MAX_META_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|e| Error::io("read snapshot metadata", &path, e))?;
-        if bytes.len() as u64 > MAX_META_BYTES {
-            return Err(Error::Snapshot {
-                id: id.into(),
-                reason: format!("meta.json larger than {MAX_META_BYTES} bytes"),
-            });
-        }
-        Ok(serde_json::from_slice(&bytes)?)
+        read_meta(&self.snap_dir(id)?.join(META), id)
     }
 
     /// Check a snapshot can be restored by `runsc_version`: same version, not expired,
@@ -422,9 +428,11 @@ impl SnapshotStore {
         used.unwrap_or(0).max(meta.created_unix_ms)
     }
 
-    /// Bytes used by all sealed snapshots.
+    /// Bytes used by all sealed snapshots, and by deleted images live sandboxes still
+    /// read ([`held`]).
     pub fn total_bytes(&self) -> Result<u64> {
-        Ok(self.list()?.iter().map(|m| m.size_bytes).sum())
+        let sealed: u64 = self.list()?.iter().map(|m| m.size_bytes).sum();
+        Ok(sealed + self.held().iter().map(|(_, b)| b).sum::<u64>())
     }
 
     pub fn remove(&self, id: &str) -> Result<()> {
@@ -434,6 +442,10 @@ impl SnapshotStore {
         }
         if let Ok(mut v) = self.verified.lock() {
             v.retain(|(i, _, _), _| i != id);
+        }
+        // Read by a live sandbox (a lazy restore): moved aside, removed when it ends.
+        if self.hold_if_read(id, &d)? {
+            return Ok(());
         }
         match fs::remove_dir_all(&d) {
             Ok(()) => Ok(()),
@@ -464,6 +476,7 @@ impl SnapshotStore {
                 removed.push(name);
             }
         }
+        self.sweep_held()?;
         Ok(removed)
     }
 
@@ -562,5 +575,45 @@ mod tests {
         let removed = s.gc(Duration::from_secs(3600)).unwrap();
         assert_eq!(removed, vec!["c".to_string()]);
         assert!(s.begin("../x").is_err());
+    }
+
+    /// An image deleted while a process reads it (as a lazily restored sandbox reads
+    /// its pages file) is held aside and still counted, then removed with its last
+    /// reader; one nobody reads goes at once. The reader here is this test process.
+    #[test]
+    fn an_image_a_process_reads_is_counted_until_its_reader_ends() {
+        let d = tempfile::tempdir().unwrap();
+        let s = SnapshotStore::open(d.path()).unwrap();
+        make(&s, "read", None);
+        make(&s, "unread", None);
+        let reader =
+            fs::File::open(d.path().join("read").join(IMAGE).join("checkpoint.img")).unwrap();
+        assert_eq!(s.images_read().get("read"), Some(&1));
+        assert!(!s.images_read().contains_key("unread"));
+
+        s.remove("unread").unwrap();
+        s.remove("read").unwrap();
+        assert!(
+            !d.path().join("read").exists(),
+            "a removed image stays findable"
+        );
+        assert!(s.meta("read").is_err());
+        assert_eq!(s.list().unwrap().len(), 0);
+        assert_eq!(s.held(), vec![("read".to_string(), 4096)]);
+        assert_eq!(
+            s.total_bytes().unwrap(),
+            4096,
+            "the held image is not counted"
+        );
+        // Still read (through the moved directory): kept by a sweep and a collection.
+        assert_eq!(s.images_read().get("read"), Some(&1));
+        assert!(s.sweep_held().unwrap().is_empty());
+        assert!(s.gc(Duration::from_secs(3600)).unwrap().is_empty());
+        assert_eq!(s.total_bytes().unwrap(), 4096);
+
+        drop(reader);
+        assert_eq!(s.sweep_held().unwrap(), vec!["read".to_string()]);
+        assert_eq!(s.total_bytes().unwrap(), 0);
+        assert!(s.held().is_empty());
     }
 }

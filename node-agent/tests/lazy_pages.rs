@@ -124,9 +124,31 @@ async fn fork_one(h: &Harness, snapshot: &str, prefix: &str) -> LocalSandbox {
 async fn a_lazy_branch_holds_what_it_touched_and_reads_every_byte_right() {
     let h = lazy_harness("lazy-read").await;
     let (mut src, sum) = big_source(&h, "lazy-src").await;
+    let src_before = h.engine.memory_bytes(&src).unwrap();
     let snap = h.engine.snapshot(&mut src, None).await.unwrap();
     let image = snap.meta.size_bytes;
     assert!(image >= BIG_MIB << 20, "image of {image} bytes");
+    // The snapshot does not bill its source: the image's page cache, written by the
+    // source's sentry, is charged to the node (engine/billing.rs). Before, the source
+    // was charged the whole image on top of its own memory.
+    let src_after = h.engine.memory_bytes(&src).unwrap();
+    eprintln!(
+        "source {} before its snapshot, {} after (image {})",
+        mib(src_before),
+        mib(src_after),
+        mib(image)
+    );
+    assert!(
+        src_after < src_before + (32 << 20),
+        "the snapshot billed its source: {} -> {}",
+        mib(src_before),
+        mib(src_after)
+    );
+    assert!(
+        !ramify_node_agent::cgroup::file("memory", &format!("{}-billing", src.cgroups_path()), "")
+            .exists(),
+        "the checkpoint's billing cgroup is left"
+    );
 
     let branch = fork_one(&h, &snap.meta.id, "lazy").await;
     let at_restore = h.engine.memory_bytes(&branch).unwrap();
@@ -226,17 +248,38 @@ async fn a_lazy_branch_reads_on_after_its_image_is_deleted() {
     let branch = fork_one(&h, &snap.meta.id, "del").await;
     let image_dir = h.engine.store().dir().join(&snap.meta.id);
 
-    h.engine.store().remove(&snap.meta.id).unwrap();
+    let store = h.engine.store();
+    let total = store.total_bytes().unwrap();
+    assert!(
+        store.images_read().contains_key(&snap.meta.id),
+        "the branch reads no image file"
+    );
+    store.remove(&snap.meta.id).unwrap();
     assert!(!image_dir.exists());
-    // runsc holds the pages file: its disk space goes with the branch.
-    let held = holders_of_deleted(&image_dir);
-    assert!(!held.is_empty(), "no process holds the deleted pages file");
+    assert!(
+        store.meta(&snap.meta.id).is_err(),
+        "a deleted image is still found"
+    );
+    // The branch reads its pages file for its life: the image is held aside and still
+    // counted by the store (its quota), never deleted under it or freed on paper only.
+    assert_eq!(store.held().len(), 1);
+    assert!(
+        store.total_bytes().unwrap() >= total,
+        "a deleted image a sandbox reads is not counted"
+    );
+    assert!(store.sweep_held().unwrap().is_empty());
 
     assert_eq!(md5(&h, &branch, "/tmp/big").await, sum);
     assert!(h.engine.is_running(&branch).await.unwrap());
 
+    // Its last reader gone, it goes (teardown sweeps), and nothing holds its files.
     h.destroy_clean(branch).await;
-    assert_eq!(holders_of_deleted(&image_dir), Vec::<String>::new());
+    assert!(
+        store.held().is_empty(),
+        "the held image outlived its reader"
+    );
+    assert_eq!(store.total_bytes().unwrap(), 0);
+    assert_eq!(holders_of_deleted(store.dir()), Vec::<String>::new());
     h.finish().await;
 }
 

@@ -11,7 +11,9 @@
 //! that has not ended forks from, or one a Sandbox waits to be restored from. What is
 //! left, an ended BranchSet's automatic snapshot, is only a record of the fork point:
 //! evicting it frees its image and marks it `Expired` (reason `Evicted`), and the set's
-//! `ttlSecondsAfterFinished` deletes it later.
+//! `ttlSecondsAfterFinished` deletes it later. An image a live sandbox still reads (a
+//! lazy restore) is never evicted, and a deleted one is counted until its last reader
+//! ends (`store/held.rs`).
 
 use kube::ResourceExt;
 use ramify_crds::{
@@ -139,6 +141,8 @@ impl Agent {
             .flat_map(|s| s.state())
             .filter_map(|o| o.0.as_ref().ok().cloned())
             .collect();
+        // Images live sandboxes read (lazy restores): evicting one frees nothing.
+        let read = self.engine.store().images_read();
         for o in cache.snapshots.state() {
             let Ok(snap) = &o.0 else { continue };
             let Some(rec) = snap
@@ -150,6 +154,13 @@ impl Agent {
             let Ok(meta) = self.engine.store().meta(&rec.image_id) else {
                 continue;
             };
+            if read.contains_key(&rec.image_id) {
+                out.held.push(format!(
+                    "{}/{} (read by a live sandbox)",
+                    rec.namespace, rec.name
+                ));
+                continue;
+            }
             let unsure_owner = match hold(snap, &sets, &sandboxes) {
                 Hold::Kept => {
                     out.held.push(format!("{}/{}", rec.namespace, rec.name));

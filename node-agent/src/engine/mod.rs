@@ -14,6 +14,7 @@
 //! - `warm_pool`: frozen restored branches, handed out on claim.
 //! - `suspend`: checkpoint a sandbox to an image and stop it; restore it from there.
 
+mod billing;
 mod commit;
 mod control_mount;
 mod fork;

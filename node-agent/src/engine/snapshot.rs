@@ -58,12 +58,16 @@ impl Engine {
             .map_err(|e| self.capture_failed(&snap_id, e, ""))?;
         let t0 = Instant::now();
         let lifted = self.lift_cpu_limit(sb);
+        let billed = self.bill_checkpoint_to_node(sb);
         let ck = self
             .inner
             .runsc
             .checkpoint(&sb.ctx, &img, leave_running)
             .await;
         let checkpoint = t0.elapsed();
+        if let Err(e) = billed.end() {
+            warn!(id = %sb.id, error = %e, "moving the sentry back into its memory cgroup after a checkpoint");
+        }
         // Back before the source runs on (a checkpoint that stops it: before its restore).
         if let Err(e) = lifted.restore() {
             warn!(id = %sb.id, error = %e, "putting the CPU limit back after a checkpoint");

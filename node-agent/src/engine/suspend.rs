@@ -100,7 +100,9 @@ impl Engine {
         crate::fault::hold(crate::fault::SUSPEND_RECORDED).await;
         let t0 = Instant::now();
         let lifted = self.lift_cpu_limit(sb);
+        let billed = self.bill_checkpoint_to_node(sb);
         let ck = self.inner.runsc.checkpoint(&sb.ctx, &dir, false).await;
+        drop(billed);
         drop(lifted);
         let checkpoint = t0.elapsed();
         if let Err(e) = ck {

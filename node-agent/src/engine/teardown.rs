@@ -64,6 +64,15 @@ impl Engine {
             warn!(error = %e, "cgroup removal");
             first.get_or_insert(e);
         }
+        // A checkpoint's billing cgroup, left by a crash during it.
+        let billing = super::billing::billing_cgroup(&sb.placed.cgroups_path);
+        if let Err(e) = tokio::task::spawn_blocking(move || cgroup::remove(&billing))
+            .await
+            .map_err(|e| Error::Join(e.to_string()))
+            .and_then(|r| r)
+        {
+            first.get_or_insert(e);
+        }
         let released = if crate::fault::fail_once(crate::fault::RELEASE_FAILS) {
             Err(Error::Sandbox {
                 id: sb.id.clone(),
@@ -80,6 +89,10 @@ impl Engine {
             && let Err(e) = self.inner.store.remove(&s.image)
         {
             first.get_or_insert(e);
+        }
+        // Its image may have been deleted while it read it (a lazy restore).
+        if let Err(e) = self.inner.store.sweep_held() {
+            warn!(error = %e, "removing deleted images no sandbox reads any more");
         }
         unmount_control_dir(&sb.control_dir());
         crate::roots::unbind(&sb.rootfs_mount());
@@ -104,7 +117,12 @@ impl Engine {
         if Path::new("/run/netns").join(id).exists() {
             out.push(format!("netns {id}"));
         }
-        for d in cgroup::existing_dirs(cgroups_path) {
+        for d in cgroup::existing_dirs(cgroups_path)
+            .into_iter()
+            .chain(cgroup::existing_dirs(&super::billing::billing_cgroup(
+                cgroups_path,
+            )))
+        {
             out.push(format!("cgroup {}", d.display()));
         }
         if dir.exists() {
