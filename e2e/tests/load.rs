@@ -776,12 +776,26 @@ async fn a_sandbox_that_does_not_fit_waits_saying_why_and_starts_when_room_frees
 
 /// What runsc itself says of the sandbox (`paused`, `running`, ...): a decided branch
 /// is paused by runsc, not by the cgroup freezer (see node-agent/src/freezer.rs).
-fn freezer_state(sys: &System, sandbox_id: &str) -> String {
+/// "paused" or "running", as the sandbox itself says: the agent pauses through the
+/// sandbox's control socket, which runsc's own state file does not see (it says
+/// "paused" only after `runsc pause`, what a runsc without the control protocol gets).
+async fn freezer_state(sys: &System, sandbox_id: &str) -> String {
     let root = sys
         .state_dir
         .join("engine/sandboxes")
         .join(sandbox_id)
         .join("runsc-root");
+    let socket = root.join(format!("runsc-{sandbox_id}.sock"));
+    let asked = ramify_node_agent::runsc::control::call(
+        sandbox_id,
+        &socket,
+        ramify_node_agent::runsc::control::IS_PAUSED,
+        serde_json::Value::Null,
+    )
+    .await;
+    if let Ok(serde_json::Value::Bool(paused)) = asked {
+        return if paused { "paused" } else { "running" }.into();
+    }
     let out = std::process::Command::new(&sys.runsc)
         .arg("--root")
         .arg(&root)
@@ -830,11 +844,11 @@ spec:
     // Both decided, waiting for the person's choice: frozen.
     for (b, id) in &ids {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while freezer_state(&sys, id) != "paused" {
+        while freezer_state(&sys, id).await != "paused" {
             assert!(
                 Instant::now() < deadline,
                 "{b} is {:?}, not paused",
-                freezer_state(&sys, id)
+                freezer_state(&sys, id).await
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -842,7 +856,7 @@ spec:
     // A look (exec, as `kubectl ramify exec` does) thaws it for the look only.
     assert_eq!(sys.exec("pick-b0", "cat /work/picked"), (0, "b0".into()));
     assert_eq!(
-        freezer_state(&sys, &ids["pick-b0"]),
+        freezer_state(&sys, &ids["pick-b0"]).await,
         "paused",
         "paused again after the look"
     );
@@ -858,7 +872,7 @@ spec:
     assert_eq!(bs.status.unwrap().phase, BranchSetPhase::Committed);
     // The winner runs on as the parent: thawed.
     assert_eq!(sys.exec("workspace", "cat /work/picked"), (0, "b1".into()));
-    assert_eq!(freezer_state(&sys, &ids["pick-b1"]), "running");
+    assert_eq!(freezer_state(&sys, &ids["pick-b1"]).await, "running");
     sys.wait_branches_gone("pick", 60).await;
     sys.teardown_and_check_clean().await;
 }

@@ -26,6 +26,7 @@ pub mod exit_reason;
 pub mod fault;
 pub mod freezer;
 pub mod image;
+pub mod inotify;
 pub mod node_release;
 pub mod placement;
 pub mod platform;

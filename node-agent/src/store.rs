@@ -67,6 +67,8 @@ pub struct SnapshotStore {
     used: Arc<Mutex<HashMap<String, u64>>>,
     /// Image files hashed by `verify` so far (what the memo saves is visible).
     hashed: Arc<AtomicU64>,
+    /// Moving images into `.held` and sweeping it, one at a time (`store/held.rs`).
+    held_lock: Arc<Mutex<()>>,
 }
 
 /// (snapshot id, file name, recorded sha256).
@@ -212,6 +214,7 @@ impl SnapshotStore {
             verified: Arc::default(),
             used: Arc::default(),
             hashed: Arc::default(),
+            held_lock: Arc::default(),
         })
     }
 
@@ -615,5 +618,6 @@ mod tests {
         assert_eq!(s.sweep_held().unwrap(), vec!["read".to_string()]);
         assert_eq!(s.total_bytes().unwrap(), 0);
         assert!(s.held().is_empty());
+        assert!(!d.path().join(".held").exists(), "an empty .held is left");
     }
 }

@@ -3,7 +3,7 @@
 //! replaying the workspace's set-up.
 //!
 //!   cargo build --bins && cargo build --release --bins
-//!   RAMIFY_PROFILE=release target/debug/ramify-e2e-bench [--runs 3]
+//!   RAMIFY_PROFILE=release target/debug/ramify-e2e-bench [--runs 3] [--max-concurrent-restores N]
 //!
 //! (RAMIFY_PROFILE picks the operator's and node agent's build; default debug.) The
 //! agent runs on its default platform, `auto` (systrap with the pinned runsc), or on
@@ -173,8 +173,19 @@ async fn main() {
     // The bench measures forks, not admission: it holds 16 branches (4 scenarios of 4)
     // plus a warm pool at once, more than this node's 1.6 CPU of sandbox allocatable
     // admits at the default 250m each. Its agent announces room for all of them.
-    println!("bench agent: --allocatable-cpu 8 (admission is not what is measured)");
-    let sys = System::start_with("bench", &["--allocatable-cpu", "8"], &[]).await;
+    // `--max-concurrent-restores N` is passed to the agent (its default: one per core).
+    let restores: Option<String> = std::env::args()
+        .skip_while(|a| a != "--max-concurrent-restores")
+        .nth(1);
+    let mut agent_args = vec!["--allocatable-cpu", "8"];
+    if let Some(n) = &restores {
+        agent_args.extend(["--max-concurrent-restores", n.as_str()]);
+    }
+    println!(
+        "bench agent: {} (admission is not what is measured)",
+        agent_args.join(" ")
+    );
+    let sys = System::start_with("bench", &agent_args, &[]).await;
     // The agent's default (`auto`) with the pinned runsc: systrap where it works.
     let platform = sys
         .lease_annotation(ramify_crds::ANNOTATION_PLATFORM, 60, |_| true)

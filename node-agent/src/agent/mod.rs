@@ -33,6 +33,7 @@ pub mod resume;
 mod rootfs_class;
 mod sandbox;
 mod self_fork;
+mod self_fork_wake;
 mod ship;
 mod snapshot;
 mod snapshot_remote;

@@ -1,9 +1,11 @@
 //! Self-forks, node side: serving the `/run/ramify/fork` requests of this node's
 //! sandboxes (see [`crate::self_fork`] for the file protocol).
 //!
-//! One loop for the whole node, every [`POLL`]: for each running sandbox it stats one
-//! file (`fork`) in its control directory, or, while a request is pending, looks its
-//! BranchSet up in the watch cache. An accepted request goes into the Sandbox's
+//! One loop for the whole node, woken at once when a `fork` file is written in a
+//! running sandbox's control directory (inotify, `self_fork_wake.rs`) and every
+//! [`POLL`] regardless: for each running sandbox it stats one file (`fork`) in its
+//! control directory, or, while a request is pending, looks its BranchSet up in the
+//! watch cache. An accepted request goes into the Sandbox's
 //! `status.selfFork.pending` (the operator creates the BranchSet from it); when that
 //! BranchSet ends without a winner the original's `fork-result` says so and it goes
 //! on; when a branch won, the winner is the workspace already (a Full commit) and the
@@ -41,12 +43,14 @@ impl Agent {
     pub(super) async fn sweep_self_forks(self: Arc<Self>) {
         let mut missing: HashMap<String, Instant> = HashMap::new();
         let mut unparsed: HashMap<String, Vec<u8>> = HashMap::new();
+        let mut wake = super::self_fork_wake::ForkWake::new();
         loop {
-            tokio::time::sleep(POLL).await;
+            wake.wait(POLL).await;
             let Some(cache) = self.cache.get() else {
                 continue;
             };
             let mut seen = HashSet::new();
+            let mut dirs = HashSet::new();
             for store in [&cache.bound, &cache.pinned] {
                 for o in store.state() {
                     let Ok(obj) = &o.0 else { continue };
@@ -55,13 +59,14 @@ impl Agent {
                         continue;
                     }
                     if let Err(e) = self
-                        .self_fork_step(obj, &uid, &mut missing, &mut unparsed)
+                        .self_fork_step(obj, &uid, &mut missing, &mut unparsed, &mut dirs)
                         .await
                     {
                         warn!(sandbox = %obj.name_any(), error = %e, "serving a self-fork failed; retrying");
                     }
                 }
             }
+            wake.watch_only(&dirs);
             missing.retain(|uid, _| seen.contains(uid));
             unparsed.retain(|uid, _| seen.contains(uid));
         }
@@ -73,6 +78,7 @@ impl Agent {
         uid: &str,
         missing: &mut HashMap<String, Instant>,
         unparsed: &mut HashMap<String, Vec<u8>>,
+        watch: &mut HashSet<std::path::PathBuf>,
     ) -> Result<()> {
         let status = obj.status.clone().unwrap_or_default();
         if status.phase != SandboxPhase::Running || obj.metadata.deletion_timestamp.is_some() {
@@ -89,6 +95,7 @@ impl Agent {
         else {
             return Ok(());
         };
+        watch.insert(dir.clone());
         let sf = status.self_fork.clone().unwrap_or_default();
         if let Some(pending) = &sf.pending {
             return self

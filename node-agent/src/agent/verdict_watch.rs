@@ -11,18 +11,18 @@
 //! interval, where the two 50 ms pollers before it read up to 256 effect files of
 //! 64 KiB each every tick.
 
-use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use nix::sys::inotify::AddWatchFlags;
 use tokio::io::unix::AsyncFd;
 use tokio::time::Instant;
 use tracing::debug;
 
 use crate::control::{self, Verdict};
+use crate::inotify::Events;
 
 /// Reads of the verdict file are at least this far apart.
 pub const MIN_INTERVAL: Duration = Duration::from_millis(50);
@@ -38,18 +38,9 @@ pub struct VerdictWatch {
     reads: Arc<AtomicU64>,
 }
 
-/// An inotify instance as tokio's `AsyncFd` wants it (nix's type only offers `AsFd`).
-struct Events(Inotify);
-
-impl AsRawFd for Events {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_fd().as_raw_fd()
-    }
-}
-
 fn watch(dir: &std::path::Path) -> std::io::Result<AsyncFd<Events>> {
-    let ino = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
-    ino.add_watch(
+    let fd = crate::inotify::instance()?;
+    fd.get_ref().inotify().add_watch(
         dir,
         AddWatchFlags::IN_CREATE
             | AddWatchFlags::IN_MODIFY
@@ -57,11 +48,7 @@ fn watch(dir: &std::path::Path) -> std::io::Result<AsyncFd<Events>> {
             | AddWatchFlags::IN_MOVED_TO
             | AddWatchFlags::IN_ATTRIB,
     )?;
-    // `AsyncFd::new` is deprecated for fds it does not own (one closed while still
-    // registered); this one owns the inotify fd, closed only when the AsyncFd drops.
-    // Its replacement is `unsafe`, which this crate forbids.
-    #[allow(deprecated)]
-    AsyncFd::new(Events(ino))
+    Ok(fd)
 }
 
 impl VerdictWatch {
@@ -112,38 +99,7 @@ impl VerdictWatch {
     /// Waits for an event naming the verdict file (or an overflowed queue), at most
     /// `wait`. Events about other names are drained without reading any file.
     async fn event(&self, wait: Duration) {
-        let Some(fd) = &self.events else {
-            tokio::time::sleep(wait).await;
-            return;
-        };
-        let deadline = Instant::now() + wait;
-        loop {
-            let mut ready = match tokio::time::timeout_at(deadline, fd.readable()).await {
-                Err(_) => return,
-                Ok(Err(_)) => {
-                    tokio::time::sleep_until(deadline).await;
-                    return;
-                }
-                Ok(Ok(r)) => r,
-            };
-            match ready.get_inner().0.read_events() {
-                Ok(events) => {
-                    if events.iter().any(|e| {
-                        e.mask.contains(AddWatchFlags::IN_Q_OVERFLOW)
-                            || e.name.as_ref().and_then(|n| n.to_str())
-                                == Some(control::VERDICT_FILE)
-                    }) {
-                        return;
-                    }
-                }
-                // Drained: wait for the next events.
-                Err(nix::errno::Errno::EAGAIN) => ready.clear_ready(),
-                Err(_) => {
-                    tokio::time::sleep_until(deadline).await;
-                    return;
-                }
-            }
-        }
+        crate::inotify::wait_for(self.events.as_ref(), control::VERDICT_FILE, wait).await;
     }
 
     /// Returns the verdict once the workload has written one.

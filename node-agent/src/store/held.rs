@@ -77,6 +77,7 @@ impl SnapshotStore {
         if !dir.exists() || !self.images_read().contains_key(id) {
             return Ok(false);
         }
+        let _one = self.held_lock.lock();
         let held = self.held_dir();
         crate::private::dir_all(&held)?;
         let to = held.join(id);
@@ -122,6 +123,7 @@ impl SnapshotStore {
         if held.is_empty() {
             return Ok(Vec::new());
         }
+        let _one = self.held_lock.lock();
         let read = self.images_read();
         let mut removed = Vec::new();
         for (id, _) in held {
@@ -136,6 +138,9 @@ impl SnapshotStore {
                 _ => removed.push(id),
             }
         }
+        // Nothing held any more: no directory left either (under the lock, so a hold
+        // never loses its directory between making it and moving an image into it).
+        let _ = fs::remove_dir(self.held_dir());
         Ok(removed)
     }
 }
