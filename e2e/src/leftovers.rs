@@ -129,10 +129,15 @@ pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
     }
     if let Ok(rd) = std::fs::read_dir(state_dir.join("engine/snapshots")) {
         for e in rd.flatten() {
-            out.push(format!(
-                "snapshot image {}",
-                e.file_name().to_string_lossy()
-            ));
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == ".held" {
+                // Deleted images a live sandbox still reads (the agent's store/held.rs).
+                for h in std::fs::read_dir(e.path()).into_iter().flatten().flatten() {
+                    out.push(format!("{HELD_IMAGE}{}", h.file_name().to_string_lossy()));
+                }
+            } else {
+                out.push(format!("snapshot image {name}"));
+            }
         }
     }
     // An address still leased.
@@ -175,12 +180,19 @@ pub fn node_leftovers(state_dir: &Path) -> Vec<String> {
     out
 }
 
+/// How [`node_leftovers`] names a deleted snapshot image a live sandbox still reads.
+const HELD_IMAGE: &str = "held snapshot image ";
+
 /// What is on the node except the sandbox `keep` (its directory, netns, cgroups,
-/// mounts, processes and its IP lease all name its id).
+/// mounts, processes and its IP lease all name its id), and the deleted images it may
+/// still read (a lazily restored sandbox reads its image for its life, so the agent
+/// holds a deleted one until it ends; [`node_leftovers`] still reports them once every
+/// sandbox is gone).
 pub fn node_leftovers_except(state_dir: &Path, keep: &str) -> Vec<String> {
     node_leftovers(state_dir)
         .into_iter()
         .filter(|l| !l.contains(keep))
+        .filter(|l| !l.starts_with(HELD_IMAGE))
         .filter(|l| {
             if let Some(ip) = l.strip_prefix("IP lease ") {
                 // host-local names the holder in the lease file.

@@ -582,17 +582,28 @@ mod tests {
 
     /// An image deleted while a process reads it (as a lazily restored sandbox reads
     /// its pages file) is held aside and still counted, then removed with its last
-    /// reader; one nobody reads goes at once. The reader here is this test process.
+    /// reader; one nobody reads goes at once.
     #[test]
     fn an_image_a_process_reads_is_counted_until_its_reader_ends() {
         let d = tempfile::tempdir().unwrap();
         let s = SnapshotStore::open(d.path()).unwrap();
         make(&s, "read", None);
         make(&s, "unread", None);
-        let reader =
-            fs::File::open(d.path().join("read").join(IMAGE).join("checkpoint.img")).unwrap();
+        // The reader: a child process holding the file as its stdin. This process's
+        // own reads (`own`) do not count.
+        let file = d.path().join("read").join(IMAGE).join("checkpoint.img");
+        let own =
+            fs::File::open(d.path().join("unread").join(IMAGE).join("checkpoint.img")).unwrap();
+        let mut reader = std::process::Command::new("sleep")
+            .arg("60")
+            .stdin(fs::File::open(&file).unwrap())
+            .spawn()
+            .unwrap();
         assert_eq!(s.images_read().get("read"), Some(&1));
-        assert!(!s.images_read().contains_key("unread"));
+        assert!(
+            !s.images_read().contains_key("unread"),
+            "this process's own read counted"
+        );
 
         s.remove("unread").unwrap();
         s.remove("read").unwrap();
@@ -614,10 +625,27 @@ mod tests {
         assert!(s.gc(Duration::from_secs(3600)).unwrap().is_empty());
         assert_eq!(s.total_bytes().unwrap(), 4096);
 
-        drop(reader);
+        reader.kill().unwrap();
+        reader.wait().unwrap();
+        drop(own);
         assert_eq!(s.sweep_held().unwrap(), vec!["read".to_string()]);
         assert_eq!(s.total_bytes().unwrap(), 0);
         assert!(s.held().is_empty());
         assert!(!d.path().join(".held").exists(), "an empty .held is left");
+
+        // A capture that failed half-way is never held, read or not: its space is
+        // wanted back at once (a full store).
+        let img = s.begin("partial").unwrap();
+        fs::write(img.join("pages.img"), vec![1u8; 4096]).unwrap();
+        let mut writer = std::process::Command::new("sleep")
+            .arg("60")
+            .stdin(fs::File::open(img.join("pages.img")).unwrap())
+            .spawn()
+            .unwrap();
+        s.remove("partial").unwrap();
+        assert!(!d.path().join("partial").exists());
+        assert!(s.held().is_empty(), "a partial image was held");
+        writer.kill().unwrap();
+        writer.wait().unwrap();
     }
 }

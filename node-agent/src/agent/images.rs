@@ -218,7 +218,8 @@ impl Agent {
         Ok(store.gc(&used, grace).await?)
     }
 
-    /// Runs GC every [`IMAGE_GC_INTERVAL`] and whenever a sandbox or snapshot went.
+    /// Runs GC every [`IMAGE_GC_INTERVAL`] and whenever a sandbox or snapshot went (and
+    /// the sweep of held snapshot images, `store/held.rs`).
     pub(super) async fn image_gc_loop(self: Arc<Self>) {
         loop {
             tokio::select! {
@@ -228,6 +229,12 @@ impl Agent {
             if let Err(e) = self.image_gc(IMAGE_GC_GRACE).await {
                 warn!(error = %e, "image cache GC failed");
                 self.engine.count_cleanup_failure("image gc", &e);
+            }
+            // Snapshot images deleted while a sandbox read them, whose readers are gone
+            // (a teardown sweeps too; this catches a reader that died on its own).
+            if let Err(e) = self.engine.store().sweep_held() {
+                warn!(error = %e, "removing deleted snapshot images nobody reads any more");
+                self.engine.count_cleanup_failure("held images", &e);
             }
         }
     }

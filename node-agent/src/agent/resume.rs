@@ -32,6 +32,9 @@ impl Agent {
         let listed = self.bound_objects::<SandboxObj>().await?;
         let live: HashSet<String> = listed.keys().cloned().collect();
         let recovered = self.engine.recover().await?;
+        for sb in &recovered.sandboxes {
+            self.engine.mend_billing(sb);
+        }
         for bad in recovered.unreadable {
             self.report_corrupt("sandbox-dir", &bad.path.display().to_string(), &bad.error)
                 .await;

@@ -281,6 +281,7 @@ async fn main() -> Result<()> {
         .join(std::process::id().to_string());
     std::fs::create_dir_all(&dir)?;
     let rootfs = busybox_rootfs(&dir.join("rootfs"), Path::new("/bin/busybox"))?;
+    std::fs::create_dir_all(dir.join("roots"))?;
     let placement = Arc::new(Standalone::new(StandaloneConfig {
         cni_bin_dir: "/usr/lib/cni".into(),
         bridge: "rmybench0".into(),
@@ -293,7 +294,9 @@ async fn main() -> Result<()> {
         EngineConfig {
             state_dir: dir.join("state"),
             rootfs: RootfsConfig {
-                roots: vec![rootfs.clone()],
+                // `roots`: the images scenario's copy of an image's root, declared as a
+                // plain directory (what a RootfsClass names).
+                roots: vec![rootfs.clone(), dir.join("roots")],
                 cache: dir.join("rootfs-cache"),
                 protected: vec![],
             },

@@ -17,8 +17,8 @@
 //! `memory.move_charge_at_immigrate` says so, and the agent never sets it.
 //!
 //! A crash in between leaves the sentry in the billing cgroup: the agent moves it back
-//! when it re-adopts the sandbox ([`mend`]), and teardown and the orphan sweep (the name
-//! starts with the sandbox's id) remove the cgroup.
+//! when it re-adopts the sandbox at its start ([`Engine::mend_billing`]), and teardown
+//! and the orphan sweep (the name starts with the sandbox's id) remove the cgroup.
 
 use std::path::PathBuf;
 
@@ -45,25 +45,53 @@ fn move_to(pid: i32, cgroups_path: &str) -> Result<()> {
 }
 
 /// Moves every process of the billing cgroup of `cgroups_path` back into it and removes
-/// the billing cgroup. Nothing to do when there is none.
+/// the billing cgroup. Nothing to do when there is none. Processes born in it while the
+/// sentry was there (systrap starts a stub process per new address space, in its
+/// parent's cgroup) are moved too: none may stay outside the sandbox's limit. So it
+/// goes round until the cgroup is empty and removed.
 pub(crate) fn mend(cgroups_path: &str) -> Result<()> {
     let billing = billing_cgroup(cgroups_path);
     let p = procs(&billing);
-    let Ok(listed) = std::fs::read_to_string(&p) else {
-        return Ok(());
-    };
-    for pid in listed.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-        if let Err(e) = move_to(pid, cgroups_path) {
-            // A process that is gone cannot be moved; anything else is reported.
-            if std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                return Err(e);
+    let dir = p.parent().map(PathBuf::from).unwrap_or_default();
+    for _ in 0..100 {
+        let listed = match std::fs::read_to_string(&p) {
+            Ok(l) => l,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io("read", &p, e)),
+        };
+        for pid in listed.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            if let Err(e) = move_to(pid, cgroups_path) {
+                // A process that is gone cannot be moved; anything else is reported.
+                if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                    return Err(e);
+                }
             }
         }
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            // A process born or leaving meanwhile: round again.
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(e) => return Err(Error::io("remove", dir, e)),
+        }
     }
-    let dir = p.parent().map(PathBuf::from).unwrap_or_default();
-    match std::fs::remove_dir(&dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io("remove", dir, e)),
-        _ => Ok(()),
+    Err(Error::io(
+        "remove",
+        dir,
+        std::io::Error::from_raw_os_error(libc::EBUSY),
+    ))
+}
+
+impl Engine {
+    /// At the agent's start, before anything checkpoints: a checkpoint cut short by the
+    /// agent's end left its sentry billed to the node; back into its own cgroup (its
+    /// limit applies there). Never while the agent runs: a checkpoint may be under way.
+    pub fn mend_billing(&self, sb: &LocalSandbox) {
+        if let Err(e) = mend(sb.cgroups_path()) {
+            warn!(id = %sb.id, error = %e, "moving a sentry back into its memory cgroup");
+        }
     }
 }
 
@@ -147,5 +175,61 @@ mod tests {
     #[test]
     fn nothing_to_mend_without_a_billing_cgroup() {
         assert!(mend("/ramify-unit-test-none/x").is_ok());
+    }
+
+    /// A process left in the billing cgroup, and one it started there (as the sentry
+    /// starts stub processes), both go back into the sandbox's cgroup, and the billing
+    /// cgroup goes. Real cgroups (the suite runs as root).
+    #[test]
+    fn mending_moves_every_process_back_and_removes_the_billing_cgroup() {
+        let parent = format!("/ramify-unit-billing-{}", std::process::id());
+        let home = format!("{parent}/sb");
+        let billing = billing_cgroup(&home);
+        for cg in [&home, &billing] {
+            let d = cgroup::file("memory", cg, "");
+            std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+        }
+        // A shell in the billing cgroup that starts a child there, then waits.
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "read _ ; sleep 30 & echo $! ; wait"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("sh: {e}"));
+        move_to(sh.id() as i32, &billing).unwrap_or_else(|e| panic!("{e}"));
+        use std::io::{BufRead, Write};
+        if let Some(i) = sh.stdin.as_mut() {
+            let _ = i.write_all(b"go\n");
+        }
+        let mut child = String::new();
+        if let Some(o) = sh.stdout.take() {
+            let _ = std::io::BufReader::new(o).read_line(&mut child);
+        }
+        let child: i32 = child
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{child:?}: {e}"));
+        let listed = |cg: &str| std::fs::read_to_string(procs(cg)).unwrap_or_default();
+        assert!(
+            listed(&billing).contains(&child.to_string()),
+            "the child was born elsewhere"
+        );
+
+        let r = mend(&home);
+        let in_home = listed(&home);
+        let billing_left = cgroup::file("memory", &billing, "").exists();
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = sh.kill();
+        let _ = sh.wait();
+        let _ = cgroup::remove(&parent);
+        r.unwrap_or_else(|e| panic!("{e}"));
+        assert!(!billing_left, "the billing cgroup is left");
+        assert!(
+            in_home.contains(&sh.id().to_string()) && in_home.contains(&child.to_string()),
+            "{in_home}"
+        );
     }
 }

@@ -295,9 +295,10 @@ impl Engine {
     }
 
     /// A `runsc exec` of `argv` in the sandbox with its workload's environment, not
-    /// started: the node endpoint streams its output as it comes.
+    /// started: the node endpoint streams its output as it comes. Built before it runs,
+    /// so not refused for a paused sandbox: the endpoint runs it under a
+    /// [`crate::freezer::Look`], which resumes the sandbox first.
     pub fn exec_command(&self, sb: &LocalSandbox, argv: &[String]) -> Result<crate::cmd::Cmd> {
-        Self::refuse_if_paused(sb)?;
         self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)
     }
 

@@ -57,14 +57,7 @@ impl Engine {
             let path = entry.path().join("sandbox.json");
             match std::fs::read(&path) {
                 Ok(bytes) => match serde_json::from_slice::<LocalSandbox>(&bytes) {
-                    Ok(sb) => {
-                        // A checkpoint cut short by the crash left its sentry billed to
-                        // the node: back into its own cgroup (its limit applies there).
-                        if let Err(e) = super::billing::mend(sb.cgroups_path()) {
-                            warn!(id = %sb.id, error = %e, "moving a sentry back into its memory cgroup");
-                        }
-                        out.sandboxes.push(sb)
-                    }
+                    Ok(sb) => out.sandboxes.push(sb),
                     Err(e) => {
                         warn!(path = %path.display(), error = %e, "unreadable sandbox record");
                         out.unreadable.push(Unreadable {

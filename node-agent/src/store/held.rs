@@ -40,8 +40,9 @@ impl SnapshotStore {
         self.dir.join(HELD)
     }
 
-    /// The images some process holds a file of open, with how many open files each:
-    /// one pass over `/proc/*/fd`.
+    /// The images some other process (a sandbox) holds a file of open, with how many
+    /// open files each: one pass over `/proc/*/fd`. This process's own reads (a hash, an
+    /// upload) are brief and need no hold: a deleted file stays readable to them.
     pub fn images_read(&self) -> HashMap<String, usize> {
         let mut out = HashMap::new();
         let Ok(root) = fs::canonicalize(&self.dir) else {
@@ -50,11 +51,12 @@ impl SnapshotStore {
         let Ok(procs) = fs::read_dir("/proc") else {
             return out;
         };
-        // Processes only (`self` and `thread-self` name one of them again).
+        // Processes only (`self` and `thread-self` name one of them again), not this one.
+        let me = std::process::id().to_string();
         let pids = procs.flatten().filter(|p| {
             p.file_name()
                 .to_str()
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                .is_some_and(|n| n != me && n.bytes().all(|b| b.is_ascii_digit()))
         });
         for p in pids {
             let Ok(fds) = fs::read_dir(p.path().join("fd")) else {
@@ -72,9 +74,10 @@ impl SnapshotStore {
     }
 
     /// Moves image `dir` (of `id`) aside while a process reads it. `Ok(false)`: nobody
-    /// reads it, remove it.
+    /// reads it, or it was never sealed (a capture that failed: only its writer has it
+    /// open, and its space is wanted back at once); remove it.
     pub(super) fn hold_if_read(&self, id: &str, dir: &Path) -> Result<bool> {
-        if !dir.exists() || !self.images_read().contains_key(id) {
+        if !dir.join(super::META).exists() || !self.images_read().contains_key(id) {
             return Ok(false);
         }
         let _one = self.held_lock.lock();

@@ -6,14 +6,17 @@
 //!   image lookup, the netns, cgroup and bundle, `runsc run`), against `runsc run` of
 //!   the same composed root by hand in a netns placed beforehand (the runsc floor);
 //! - the disk those sandboxes use (one shared copy of the image) against one unpacked
-//!   copy, and what a copy per sandbox would take.
+//!   copy, and what a copy per sandbox would take;
+//! - a snapshot and a cold fork of 4 of a sandbox of the image, against the same of a
+//!   sandbox on a plain copy of the same root (a RootfsClass directory), alternating,
+//!   in one run: whether a root from an image forks slower, and where.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use ramify_crds::ImagePullPolicy;
-use ramify_node_agent::engine::{Engine, LocalSandbox, StartRequest};
+use ramify_node_agent::engine::{Engine, ForkOptions, LocalSandbox, StartRequest};
 use ramify_node_agent::image::{Credentials, ImageRef, ImageStore, RegistryConfig};
 use ramify_node_agent::placement::{Placement, PlacementRequest, Standalone};
 use ramify_node_agent::rootfs::RootfsSource;
@@ -237,6 +240,78 @@ impl ImageBench<'_> {
             mib(copy),
             mib(copy * live.len() as u64)
         );
+        for sb in live.drain(..) {
+            self.engine.destroy(sb).await?;
+        }
+        self.forks(&first.rootfs).await
+    }
+
+    /// A snapshot and a cold fork of 4, of a sandbox on the image's root and of one on
+    /// a plain copy of it, alternating, 3 runs each.
+    async fn forks(&self, image_root: &Path) -> Result<()> {
+        let copy = self.dir.join("roots").join("image-copy");
+        if !copy.exists() {
+            let st = std::process::Command::new("cp")
+                .arg("-a")
+                .arg(image_root)
+                .arg(&copy)
+                .status()?;
+            anyhow::ensure!(st.success(), "copying {}", image_root.display());
+        }
+        let roots = [
+            ("image", image_root.to_path_buf()),
+            ("plain directory", copy),
+        ];
+        let mut took: [(Vec<Duration>, Vec<Duration>); 2] = Default::default();
+        for run in 0..3 {
+            for (i, (label, root)) in roots.iter().enumerate() {
+                let mut src = self
+                    .engine
+                    .start(StartRequest {
+                        name: format!("fork-{label}-{run}").replace(' ', "-"),
+                        rootfs: RootfsSource::Dir(root.clone()),
+                        workload: sleeper(),
+                        egress_allow: vec![],
+                    })
+                    .await?;
+                let t = Instant::now();
+                let snap = self.engine.snapshot(&mut src, None).await;
+                let snapped = t.elapsed();
+                let snap = match snap {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.engine.destroy(src).await?;
+                        return Err(e.into());
+                    }
+                };
+                let t = Instant::now();
+                let forked = self
+                    .engine
+                    .fork(&snap.meta.id, 4, &ForkOptions::default())
+                    .await;
+                let fork = t.elapsed();
+                self.engine.destroy(src).await?;
+                for b in forked? {
+                    self.engine.destroy(b).await?;
+                }
+                self.engine.store().remove(&snap.meta.id)?;
+                took[i].0.push(snapped);
+                took[i].1.push(fork);
+            }
+        }
+        println!(
+            "\n### fork of a sandbox of the image against one on a plain copy of its root (a RootfsClass directory), 3 runs each, alternating"
+        );
+        println!("| root | snapshot (median) | cold fork of 4 (median) | fork runs |");
+        println!("|---|---|---|---|");
+        for (i, (label, _)) in roots.iter().enumerate() {
+            println!(
+                "| {label} | {} | {} | {} |",
+                ms(median(&took[i].0)),
+                ms(median(&took[i].1)),
+                list(&took[i].1)
+            );
+        }
         Ok(())
     }
 }
