@@ -566,10 +566,17 @@ impl System {
             .args(["--", "/bin/sh", "-c", cmd])
             .output()
             .unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        )
+        let code = out.status.code().unwrap_or(-1);
+        let mut text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        // A failure says why in the assertion that reports it (runsc's own message
+        // when runsc failed, e.g. its exit status 128).
+        if code != 0 {
+            let err = String::from_utf8_lossy(&out.stderr);
+            if !err.trim().is_empty() {
+                text.push_str(&format!("\n[stderr] {}", err.trim()));
+            }
+        }
+        (code, text)
     }
 
     /// The number in file `path` of sandbox `name` on the node keeping its state in

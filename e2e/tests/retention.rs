@@ -164,6 +164,12 @@ async fn an_ended_branchset_goes_after_its_ttl_with_its_snapshot_and_image() {
     );
     let parent = sys.sandboxes().get("workspace").await.unwrap();
     assert_eq!(parent.status.unwrap().commits, 2);
+    // The parent works on after its snapshot and image went (it reads the held image).
+    assert_eq!(
+        sys.exec("workspace", "echo alive"),
+        (0, "alive".to_string()),
+        "the parent stopped working once its snapshot's TTL passed"
+    );
     sys.teardown_and_check_clean().await;
 }
 
