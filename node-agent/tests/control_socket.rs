@@ -32,6 +32,14 @@ async fn pinned(test: &str) -> Harness {
     .await
 }
 
+/// A harness on the pinned runsc and a sandbox named `name` whose ticker runs.
+async fn ticking(name: &str) -> (Harness, LocalSandbox, u64) {
+    let h = pinned(name).await;
+    let sb = h.start(name, TICKER, vec![]).await;
+    let t = ticks_past(&sb, 0).await;
+    (h, sb, t)
+}
+
 fn tick_file(sb: &LocalSandbox) -> PathBuf {
     sb.control_dir().join("tick")
 }
@@ -62,9 +70,7 @@ async fn stands_still(sb: &LocalSandbox) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pinned_runsc_is_paused_and_resumed_through_its_control_socket() {
-    let h = pinned("ctl").await;
-    let sb = h.start("ctl", TICKER, vec![]).await;
-    let t0 = ticks_past(&sb, 0).await;
+    let (h, sb, t0) = ticking("ctl").await;
 
     // Where runsc put the socket, and the method the patch adds.
     let path = control::socket_path(sb.ctx());
@@ -111,9 +117,7 @@ async fn the_pinned_runsc_is_paused_and_resumed_through_its_control_socket() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agents_pauses_go_through_the_control_socket_and_never_nest() {
-    let h = pinned("ctlpause").await;
-    let sb = h.start("ctlpause", TICKER, vec![]).await;
-    ticks_past(&sb, 0).await;
+    let (h, sb, _) = ticking("ctlpause").await;
     let runsc = h.engine.runsc().clone();
     let pause = || freezer::pause(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path(), Depth::Pause);
     let resume = || freezer::resume(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path());
@@ -174,9 +178,7 @@ async fn the_agents_pauses_go_through_the_control_socket_and_never_nest() {
 /// is empty) is resumed by `runsc resume`, and then runsc's state is right again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_made_by_the_runsc_cli_is_resumed_by_it() {
-    let h = pinned("clipause").await;
-    let sb = h.start("clipause", TICKER, vec![]).await;
-    ticks_past(&sb, 0).await;
+    let (h, sb, _) = ticking("clipause").await;
     let runsc = h.engine.runsc().clone();
     std::fs::write(sb.dir.join("paused"), b"").unwrap();
     runsc.pause(sb.ctx()).await.unwrap();
@@ -196,9 +198,7 @@ async fn a_pause_made_by_the_runsc_cli_is_resumed_by_it() {
 /// asserted: `make bench` has the figures).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_and_resume_each_way_timed() {
-    let h = pinned("ctltime").await;
-    let sb = h.start("ctltime", TICKER, vec![]).await;
-    ticks_past(&sb, 0).await;
+    let (h, sb, _) = ticking("ctltime").await;
     let runsc = h.engine.runsc().clone();
     let support = runsc.control_support().clone();
     let (c, _) = Control::of(sb.ctx(), &support).await.unwrap().unwrap();
