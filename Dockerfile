@@ -14,6 +14,7 @@ FROM rust:1.95-bookworm AS rust-build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY crds crds
+COPY engine engine
 COPY runtime runtime
 COPY operator operator
 COPY node-agent node-agent

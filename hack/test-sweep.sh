@@ -2,8 +2,8 @@
 # The end of `make test`, passed or failed: what a test left on the node goes, so a failed
 # run leaves the machine as clean as a passing one. Every e2e system's node agents
 # (their sandboxes, images, netns, rules, mounts: `ramify-node-agent cleanup`), the lanes'
-# cgroup parents and bridges, and the node agent tests' leftovers (`ramify-node-agent
-# sweep`: ids of test processes that are gone). Prints what it removed.
+# cgroup parents and bridges, and the engine tests' leftovers and its example's
+# (`ramify-node-agent sweep`: ids of test processes that are gone). Prints what it removed.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 agent="$repo/target/debug/ramify-node-agent"
@@ -31,4 +31,6 @@ for link in /sys/class/net/rmye2e*; do
   ip link del "${link##*/}" 2>/dev/null && echo "sweep: bridge ${link##*/}"
 done
 "$agent" --runsc "$runsc" sweep --prefix ramify-test- --cgroup-parent /ramify-test 2>/dev/null | sed 's/^/sweep: /'
+"$agent" --runsc "$runsc" sweep --prefix ramify-example- --cgroup-parent /ramify-example 2>/dev/null | sed 's/^/sweep: /'
+ip link del rmyex0 2>/dev/null && echo "sweep: bridge rmyex0"
 exit 0

@@ -39,13 +39,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Test binaries that start the real kubelet node (one per machine): lane 0 only.
 NODE_JOBS = {"ramify-e2e/cluster", "ramify-e2e/node", "ramify-e2e/helm_install"}
-# Node agent suites that choose their runsc themselves (run once, not per runsc).
-OWN_RUNSC = {"ramify-node-agent/lazy_pages", "ramify-node-agent/control_socket"}
+# Engine suites that choose their runsc themselves, or run none (run once, not per runsc).
+OWN_RUNSC = {"ramify-engine/lazy_pages", "ramify-engine/control_socket", "ramify-engine/readme_example", "ramify-engine/no_kubernetes"}
+# The packages whose real-runsc suites run again on the current runsc.
+RUNSC_PACKAGES = {"ramify-engine", "ramify-node-agent"}
 # Jobs whose assertions are about latency under load: run alone, after the lanes.
 SOLO_JOBS = {"ramify-e2e/load"}
 # Test binaries run with their output kept (their tables are the point); the report
 # prints the fault matrix's, without its per-step `fault: ` lines.
-NOCAPTURE = {"ramify-e2e/faults", "ramify-e2e/helm_install", "ramify-e2e/usage", "ramify-node-agent/control_socket"}
+NOCAPTURE = {"ramify-e2e/faults", "ramify-e2e/helm_install", "ramify-e2e/usage", "ramify-engine/control_socket"}
 SHOWN = {"ramify-e2e/faults": re.compile(r"^fault: ")}
 
 TEST_START = re.compile(rb"(?m)^test (\S+) \.\.\. ")
@@ -128,9 +130,9 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
             }
             job.after = ["env", f"RAMIFY_CP_DIR={helm_cp}", "RAMIFY_CP_PORT_BASE=16740", str(REPO / "hack/controlplane/down.sh")]
         jobs.append(job)
-        # The node agent's real-runsc suites again on the current runsc; not its unit
-        # tests (no runsc), nor a suite that picks its runsc itself.
-        if package == "ramify-node-agent" and args.current_runsc and kind == "test" and name not in OWN_RUNSC:
+        # The engine's and the node agent's real-runsc suites again on the current
+        # runsc; not their unit tests (no runsc), nor a suite that picks its runsc itself.
+        if package in RUNSC_PACKAGES and args.current_runsc and kind == "test" and name not in OWN_RUNSC:
             again = Job(f"{name}@current-runsc", list(argv), cwd, {"CARGO_MANIFEST_DIR": str(cwd), "RAMIFY_RUNSC": args.current_runsc})
             jobs.append(again)
     jobs.append(Job("doctests", ["cargo", "test", "--workspace", "--locked", "--doc"], REPO))

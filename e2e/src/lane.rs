@@ -93,8 +93,8 @@ mod tests {
         all.dedup();
         assert_eq!(all.len(), n, "two lanes or nodes share a subnet");
         // Nothing else on the test bed uses these /16s (demo 10.88, test demo 10.90,
-        // real node 10.91, helm 10.92, node-agent tests 10.231).
-        for taken in ["10.88.", "10.90.", "10.91.", "10.92.", "10.231."] {
+        // real node 10.91, helm 10.92, engine tests 10.231, the engine's example 10.232).
+        for taken in ["10.88.", "10.90.", "10.91.", "10.92.", "10.231.", "10.232."] {
             assert!(!all.iter().any(|s| s == taken), "{taken} is taken");
         }
     }

@@ -1347,12 +1347,12 @@ async fn cluster_fault_cell(
     let fault_dir =
         std::env::temp_dir().join(format!("ramify-cluster-fault-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&fault_dir).unwrap();
-    let marker = fault_dir.join(ramify_node_agent::fault::FULL_COMMIT_RECORDED);
+    let marker = fault_dir.join(ramify_engine::fault::FULL_COMMIT_RECORDED);
     if step == FaultStep::FullCommitSwap {
         let dir = fault_dir.to_string_lossy().into_owned();
         bed.sys.agent.set_env(
             "RAMIFY_FAULT_HOLD",
-            Some(ramify_node_agent::fault::FULL_COMMIT_RECORDED),
+            Some(ramify_engine::fault::FULL_COMMIT_RECORDED),
         );
         bed.sys.agent.set_env("RAMIFY_FAULT_DIR", Some(&dir));
         bed.sys.agent.kill().unwrap();

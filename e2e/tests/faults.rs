@@ -34,7 +34,7 @@ impl Step {
     /// The agent's fault hold point for a step no API observation can catch.
     fn hold_point(self) -> Option<&'static str> {
         match self {
-            Step::FullCommitSwap => Some(ramify_node_agent::fault::FULL_COMMIT_RECORDED),
+            Step::FullCommitSwap => Some(ramify_engine::fault::FULL_COMMIT_RECORDED),
             _ => None,
         }
     }

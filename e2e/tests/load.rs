@@ -775,7 +775,7 @@ async fn a_sandbox_that_does_not_fit_waits_saying_why_and_starts_when_room_frees
 }
 
 /// What runsc itself says of the sandbox (`paused`, `running`, ...): a decided branch
-/// is paused by runsc, not by the cgroup freezer (see node-agent/src/freezer.rs).
+/// is paused by runsc, not by the cgroup freezer (see engine/src/freezer.rs).
 /// "paused" or "running", as the sandbox itself says: the agent pauses through the
 /// sandbox's control socket, which runsc's own state file does not see (it says
 /// "paused" only after `runsc pause`, what a runsc without the control protocol gets).
@@ -786,10 +786,10 @@ async fn freezer_state(sys: &System, sandbox_id: &str) -> String {
         .join(sandbox_id)
         .join("runsc-root");
     let socket = root.join(format!("runsc-{sandbox_id}.sock"));
-    let asked = ramify_node_agent::runsc::control::call(
+    let asked = ramify_engine::runsc::control::call(
         sandbox_id,
         &socket,
-        ramify_node_agent::runsc::control::IS_PAUSED,
+        ramify_engine::runsc::control::IS_PAUSED,
         serde_json::Value::Null,
     )
     .await;

@@ -133,7 +133,7 @@ async fn a_deletion_whose_teardown_fails_once_leaves_nothing_behind() {
     let sys = System::start_with(
         "teardown-retry",
         &[],
-        &[("RAMIFY_FAULT_FAIL", ramify_node_agent::fault::RELEASE_FAILS)],
+        &[("RAMIFY_FAULT_FAIL", ramify_engine::fault::RELEASE_FAILS)],
     )
     .await;
     sys.running_workspace().await;

@@ -154,7 +154,7 @@ async fn a_suspended_workspace_frees_the_node_forks_asleep_and_resumes_where_it_
 
     // What it holds of the node while it runs (the path the check below reads).
     let cgroup = format!("/{}/{id}", sys.cgroup_parent());
-    let held = ramify_node_agent::cgroup::memory_usage(&cgroup).unwrap();
+    let held = ramify_engine::cgroup::memory_usage(&cgroup).unwrap();
     assert!(
         held > 4 << 20,
         "the running sandbox's cgroup holds only {held} bytes"
@@ -175,7 +175,7 @@ async fn a_suspended_workspace_frees_the_node_forks_asleep_and_resumes_where_it_
     );
     // Nor its memory: the page cache of the image it wrote is not left charged to it
     // (its cgroup may be gone altogether).
-    let charged = ramify_node_agent::cgroup::memory_usage(&cgroup).unwrap_or(0);
+    let charged = ramify_engine::cgroup::memory_usage(&cgroup).unwrap_or(0);
     assert!(
         charged < 4 << 20,
         "the suspended sandbox's cgroup holds {charged} bytes"
@@ -291,7 +291,7 @@ async fn a_suspended_workspace_frees_the_node_forks_asleep_and_resumes_where_it_
 
 #[tokio::test]
 async fn a_node_agent_killed_in_the_middle_of_a_suspend_resumes_it_where_it_was() {
-    use ramify_node_agent::fault::{SUSPEND_CHECKPOINTED, SUSPEND_RECORDED};
+    use ramify_engine::fault::{SUSPEND_CHECKPOINTED, SUSPEND_RECORDED};
     let _serial = SERIAL.lock().await;
     for point in [SUSPEND_RECORDED, SUSPEND_CHECKPOINTED] {
         let fault_dir =

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use ramify_crds::capacity::{self as cap, Requests, Waiting};
 use tokio::sync::Notify;
 
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
 
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// The CFS period the ceiling's quota is expressed in (the kernel's default).
@@ -37,7 +37,9 @@ pub fn node_capacity() -> Result<Requests> {
         .lines()
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .ok_or_else(|| Error::Invalid("no MemTotal in /proc/meminfo".into()))?;
+        .ok_or_else(|| {
+            Error::Engine(EngineError::Invalid("no MemTotal in /proc/meminfo".into()))
+        })?;
     Ok(Requests {
         cpu_millis: cores * 1000,
         memory_bytes: kib * 1024,
@@ -49,13 +51,13 @@ pub fn node_capacity() -> Result<Requests> {
 pub fn allocatable(capacity: Requests, reserve: Requests) -> Result<Requests> {
     let a = capacity.minus(&reserve);
     if a.cpu_millis == 0 || a.memory_bytes == 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Engine(EngineError::Invalid(format!(
             "the reserve ({} CPU, {}) leaves nothing of this node ({} CPU, {}) for sandboxes",
             Requests::cpu_text(reserve.cpu_millis),
             Requests::memory_text(reserve.memory_bytes),
             Requests::cpu_text(capacity.cpu_millis),
             Requests::memory_text(capacity.memory_bytes),
-        )));
+        ))));
     }
     Ok(a)
 }
@@ -76,9 +78,9 @@ pub fn default_max_restores(capacity: &Requests) -> usize {
 fn rel(parent: &str) -> Result<&str> {
     let r = parent.trim_matches('/');
     if r.is_empty() || r.split('/').any(|c| c == ".." || c.is_empty()) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Engine(EngineError::Invalid(format!(
             "cgroup parent {parent:?} must name a cgroup below the root"
-        )));
+        ))));
     }
     Ok(r)
 }
@@ -134,7 +136,11 @@ pub fn read_ceiling(parent: &str) -> Result<Requests> {
             .map(|s| s.trim().to_string())
             .map_err(|e| Error::io("read", p, e))
     };
-    let bad = |what: &str, v: &str| Error::Invalid(format!("cgroup {what} {v:?} not understood"));
+    let bad = |what: &str, v: &str| {
+        Error::Engine(EngineError::Invalid(format!(
+            "cgroup {what} {v:?} not understood"
+        )))
+    };
     if root.join("cgroup.controllers").exists() {
         let dir = root.join(rel);
         let cpu = read(dir.join("cpu.max"))?;
@@ -382,6 +388,30 @@ impl FairGate {
             (self.on_grant)(k);
         }
         self.changed.notify_waiters();
+    }
+}
+
+/// A [`FairGate`] as the engine's warm pools queue in it: each refill asks for one
+/// restore slot ([`ONE_RESTORE`]), unranked.
+pub struct RestoreGate(pub Arc<FairGate>);
+
+impl ramify_engine::RestoreSlots for RestoreGate {
+    fn acquire<'a>(
+        &'a self,
+        key: &'a str,
+        group: &'a str,
+    ) -> futures::future::BoxFuture<'a, Box<dyn Send>> {
+        Box::pin(async move {
+            let permit = self
+                .0
+                .acquire(key, group, (0, String::new()), ONE_RESTORE)
+                .await;
+            Box::new(permit) as Box<dyn Send>
+        })
+    }
+
+    fn leave(&self, key: &str) {
+        self.0.leave(key);
     }
 }
 

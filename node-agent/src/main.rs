@@ -13,22 +13,22 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use ramify_crds::capacity::Requests;
 use ramify_crds::pod::Mode;
+use ramify_engine::freezer::Look;
+use ramify_engine::placement::{Placement, Standalone, StandaloneConfig};
+use ramify_engine::roots::RootfsConfig;
+use ramify_engine::runsc::{RestorePages, Runsc, RunscConfig};
+use ramify_engine::store::SnapshotStore;
+use ramify_engine::{Engine, EngineConfig};
 use ramify_node_agent::agent::endpoint::{Endpoint, EndpointConfig, local_sandbox};
 use ramify_node_agent::agent::lease::{self, Announcement};
 use ramify_node_agent::agent::metrics::AgentMetrics;
 use ramify_node_agent::agent::registry::Registry;
 use ramify_node_agent::agent::{self, Agent, AgentConfig};
 use ramify_node_agent::capacity as cap;
-use ramify_node_agent::freezer::Look;
-use ramify_node_agent::placement::cluster::{Cluster, ClusterConfig};
-use ramify_node_agent::placement::{Placement, Standalone, StandaloneConfig};
-use ramify_node_agent::roots::RootfsConfig;
-use ramify_node_agent::runsc::{RestorePages, Runsc, RunscConfig};
+use ramify_node_agent::cluster_placement::{Cluster, ClusterConfig};
 use ramify_node_agent::settings::{
     self, AgentSettings, DEFAULT_CGROUP_PARENT, DEFAULT_KUBELET_ROOT_DIR, DEFAULT_ROOTFS_CACHE,
 };
-use ramify_node_agent::store::SnapshotStore;
-use ramify_node_agent::{Engine, EngineConfig};
 use tracing::{error, info};
 
 #[derive(Parser)]
@@ -364,8 +364,8 @@ async fn engine(
 ) -> anyhow::Result<Engine> {
     // The agent's state is private (snapshot images hold sandboxes' memory): umask
     // 077 for this process and every one it starts, before anything is created.
-    ramify_node_agent::private::restrict_umask();
-    ramify_node_agent::private::dir_all(state_dir)?;
+    ramify_engine::private::restrict_umask();
+    ramify_engine::private::dir_all(state_dir)?;
     let placement: Arc<dyn Placement> = match s.mode {
         Mode::Standalone => Arc::new(Standalone::new(StandaloneConfig {
             cni_bin_dir: "/usr/lib/cni".into(),
@@ -447,7 +447,7 @@ async fn local(
     platform: &str,
     state_dir: &Path,
     key: &str,
-) -> anyhow::Result<(Engine, ramify_node_agent::LocalSandbox)> {
+) -> anyhow::Result<(Engine, ramify_engine::LocalSandbox)> {
     let engine = local_engine(cli_runsc, platform, state_dir).await?;
     let sb = find(&engine, state_dir, key).await?;
     Ok((engine, sb))
@@ -458,7 +458,7 @@ async fn find(
     engine: &Engine,
     state_dir: &Path,
     key: &str,
-) -> anyhow::Result<ramify_node_agent::LocalSandbox> {
+) -> anyhow::Result<ramify_engine::LocalSandbox> {
     let (ns, name) = key
         .split_once('/')
         .ok_or_else(|| anyhow::anyhow!("expected NAMESPACE/NAME, got {key:?}"))?;
@@ -531,7 +531,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 cap::apply_ceiling(&cgroup_parent, &allocatable)?;
             }
             if leave_pod_cgroup {
-                let moved = ramify_node_agent::pod_cgroup::leave_pod_cgroup(&cgroup_parent)?;
+                let moved = ramify_engine::pod_cgroup::leave_pod_cgroup(&cgroup_parent)?;
                 info!(cgroups = ?moved, "left the Pod's cgroup in the hierarchies runsc does not manage");
             }
             info!(
@@ -641,7 +641,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             health.set_ready(true);
             agent::run(agent).await?;
             if release_node_on_exit {
-                ramify_node_agent::node_release::release_unused(&bridge, &cgroup_parent);
+                ramify_engine::node_release::release_unused(&bridge, &cgroup_parent);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -689,7 +689,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Rootfs { out, busybox } => {
-            let root = ramify_node_agent::rootfs::busybox_rootfs(&out, &busybox)?;
+            let root = ramify_engine::rootfs::busybox_rootfs(&out, &busybox)?;
             println!("{}", root.display());
             Ok(ExitCode::SUCCESS)
         }
@@ -734,7 +734,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             prefix,
             cgroup_parent,
         } => {
-            for r in ramify_node_agent::sweep::sweep_orphans(&prefix, &cgroup_parent).await {
+            for r in ramify_engine::sweep::sweep_orphans(&prefix, &cgroup_parent).await {
                 println!("removed {r}");
             }
             Ok(ExitCode::SUCCESS)

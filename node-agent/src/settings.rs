@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
 
 /// The cgroup parent of sandboxes when none is configured.
 pub const DEFAULT_CGROUP_PARENT: &str = "/ramify";
@@ -67,14 +67,20 @@ pub fn load(state_dir: &Path) -> Result<Option<AgentSettings>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io("read agent settings", &p, e)),
     };
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|e| Error::Invalid(format!("{} does not parse: {e}", p.display())))
+    serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+        Error::Engine(EngineError::Invalid(format!(
+            "{} does not parse: {e}",
+            p.display()
+        )))
+    })
 }
 
 /// Records the settings (atomically: a crash leaves the old file or the new one).
 pub fn store(state_dir: &Path, s: &AgentSettings) -> Result<()> {
-    crate::private::write_atomic(&path(state_dir), &serde_json::to_vec_pretty(s)?)
+    Ok(ramify_engine::private::write_atomic(
+        &path(state_dir),
+        &serde_json::to_vec_pretty(s)?,
+    )?)
 }
 
 #[cfg(test)]

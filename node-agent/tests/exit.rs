@@ -3,16 +3,17 @@
 //! a fork bomb stopped by the pids limit.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "../../engine/tests/common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::*;
 use ramify_crds::{ExitReason, SandboxExit};
-use ramify_node_agent::engine::{LocalSandbox, StartRequest};
+use ramify_engine::engine::{LocalSandbox, StartRequest};
+use ramify_engine::rootfs::RootfsSource;
+use ramify_engine::spec::Resources;
 use ramify_node_agent::exit_reason;
-use ramify_node_agent::rootfs::RootfsSource;
-use ramify_node_agent::spec::Resources;
 
 async fn start_limited(
     h: &Harness,
@@ -109,7 +110,7 @@ async fn a_fork_bomb_is_contained_by_the_pids_limit_and_says_so() {
     .await;
     // Contained: the host keeps starting processes promptly while the bomb goes off,
     // and the sandbox never holds more than its limit.
-    let pids_current = ramify_node_agent::cgroup::file("pids", sb.cgroups_path(), "pids.current");
+    let pids_current = ramify_engine::cgroup::file("pids", sb.cgroups_path(), "pids.current");
     let mut slowest = Duration::ZERO;
     let mut most = 0u64;
     poll_until("the fork bomb's sandbox stops", 120, async || {

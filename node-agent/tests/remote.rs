@@ -8,8 +8,8 @@ mod common_s3;
 
 use common_s3::*;
 use object_store::ObjectStoreExt;
+use ramify_engine::store::SnapshotStore;
 use ramify_node_agent::remote::RemoteError;
-use ramify_node_agent::store::SnapshotStore;
 
 #[tokio::test]
 async fn upload_is_verified_deduplicated_and_downloads_into_a_store() {

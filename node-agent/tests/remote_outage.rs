@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common_s3::*;
-use ramify_node_agent::store::SnapshotStore;
+use ramify_engine::store::SnapshotStore;
 
 fn hack(script: &str, args: &[&str]) {
     // At run time (cargo sets it), not compile time: the binary may come from another clone.

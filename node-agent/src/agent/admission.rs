@@ -86,6 +86,11 @@ pub fn pool_key(snapshot_uid: &str) -> String {
 }
 
 impl Admission {
+    /// The restore gate as the engine's warm pools queue in it.
+    pub fn restore_slots(&self) -> Arc<dyn ramify_engine::RestoreSlots> {
+        Arc::new(crate::capacity::RestoreGate(self.restores.clone()))
+    }
+
     pub fn new(allocatable: Requests, max_restores: usize) -> Self {
         let triggers = Arc::new(Triggers::default());
         let (t1, t2) = (triggers.clone(), triggers.clone());

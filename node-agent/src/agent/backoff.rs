@@ -67,6 +67,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::EngineError;
 
     #[test]
     fn the_agent_backs_off_exponentially_to_a_cap() {
@@ -83,23 +84,25 @@ mod tests {
         // The engine's refusals concern live sandboxes, which change under it: a file
         // rewritten while a Paths commit packs it fails the tarball check once and
         // passes on a retry.
-        assert!(!Error::Invalid("commit tarball refused".into()).is_permanent());
         assert!(
-            Error::VersionMismatch {
+            !Error::Engine(EngineError::Invalid("commit tarball refused".into())).is_permanent()
+        );
+        assert!(
+            Error::Engine(EngineError::VersionMismatch {
                 id: "s".into(),
                 captured: "a".into(),
                 current: "b".into()
-            }
+            })
             .is_permanent()
         );
         assert!(
-            !Error::Timeout {
+            !Error::Engine(EngineError::Timeout {
                 command: "runsc".into(),
                 seconds: 1
-            }
+            })
             .is_permanent()
         );
-        assert!(!Error::Join("x".into()).is_permanent());
+        assert!(!Error::Engine(EngineError::Join("x".into())).is_permanent());
         let api = |code| {
             let reason = if code == 404 { "NotFound" } else { "" };
             Error::Kube(kube::Error::Api(

@@ -12,9 +12,9 @@ use serde_json::json;
 use tracing::{info, instrument, warn};
 
 use super::{Agent, Handle, millis, now, verdict_watch, writes};
-use crate::control::Verdict;
-use crate::engine::LocalSandbox;
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::control::Verdict;
+use ramify_engine::engine::LocalSandbox;
 
 /// Most effects recorded per branch, and the largest payload kept per effect.
 const MAX_RECORDED_EFFECTS: usize = 64;
@@ -22,7 +22,9 @@ const MAX_EFFECT_PAYLOAD: usize = 4096;
 
 /// The effects a control-directory scan found, bounded, in file-name order. Rejected
 /// files (hostile or malformed) are not effects: they are logged, never executed.
-pub fn requested_effects(scan: &crate::control::ControlScan) -> Vec<ramify_crds::RequestedEffect> {
+pub fn requested_effects(
+    scan: &ramify_engine::control::ControlScan,
+) -> Vec<ramify_crds::RequestedEffect> {
     for r in &scan.rejected {
         warn!(rejected = %r, "ignoring a control file");
     }
@@ -102,10 +104,12 @@ impl Agent {
     ) -> Result<()> {
         let api: Api<BranchSet> =
             Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
-        let bs = api
-            .get_opt(&branch.branch_set)
-            .await?
-            .ok_or_else(|| Error::Invalid(format!("BranchSet {} not found", branch.branch_set)))?;
+        let bs = api.get_opt(&branch.branch_set).await?.ok_or_else(|| {
+            Error::Engine(EngineError::Invalid(format!(
+                "BranchSet {} not found",
+                branch.branch_set
+            )))
+        })?;
         let (run, env) = match (&bs.spec.branches, &bs.spec.template) {
             (Some(list), _) => list
                 .iter()
@@ -124,14 +128,14 @@ impl Agent {
             .update_sandbox(uid, |rec| rec.run_epoch = Some(self.epoch.clone()))?;
         let h = self
             .handle(uid)
-            .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+            .ok_or_else(|| Error::Engine(EngineError::Invalid("branch sandbox vanished".into())))?;
         // One watcher of the verdict file per branch, bounded whatever the workload
         // writes (see `verdict_watch`); it needs no lock on the sandbox.
         let mut watch = {
             let g = h.lock().await;
-            let sb = g
-                .as_ref()
-                .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+            let sb = g.as_ref().ok_or_else(|| {
+                Error::Engine(EngineError::Invalid("branch sandbox vanished".into()))
+            })?;
             verdict_watch::VerdictWatch::new(sb.control_dir())
         };
         let t0 = Instant::now();
@@ -143,9 +147,9 @@ impl Agent {
             if !run.is_empty() {
                 let out = {
                     let g = h.lock().await;
-                    let sb = g
-                        .as_ref()
-                        .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+                    let sb = g.as_ref().ok_or_else(|| {
+                        Error::Engine(EngineError::Invalid("branch sandbox vanished".into()))
+                    })?;
                     self.engine.run_command(sb, &run, &env, timeout).await?
                 };
                 exit_code = Some(out.code);
@@ -169,9 +173,9 @@ impl Agent {
                 let vt = Duration::from_secs(u64::try_from(verdict.timeout_seconds).unwrap_or(60));
                 let out = {
                     let g = h.lock().await;
-                    let sb = g
-                        .as_ref()
-                        .ok_or_else(|| Error::Invalid("branch sandbox vanished".into()))?;
+                    let sb = g.as_ref().ok_or_else(|| {
+                        Error::Engine(EngineError::Invalid("branch sandbox vanished".into()))
+                    })?;
                     self.engine
                         .run_command(sb, &verdict.command, &env, vt)
                         .await
@@ -187,12 +191,12 @@ impl Agent {
                         VerdictValue::Abort,
                         format!("verdict command exited {}", o.code),
                     ),
-                    Err(Error::Timeout { seconds, .. }) => (
+                    Err(EngineError::Timeout { seconds, .. }) => (
                         exit_code,
                         VerdictValue::Abort,
                         format!("verdict command timed out after {seconds}s"),
                     ),
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(e.into()),
                 });
             }
             // No command at all: the workload's verdict file decides (the watcher
@@ -216,7 +220,7 @@ impl Agent {
             // Deleted (a loser, or its BranchSet went): dropping the run kills its
             // `runsc exec` and lets go of the sandbox, which is destroyed at once.
             () = until_deleted(&mut deleted) => {
-                return Err(Error::Invalid("the branch was deleted while it ran".into()));
+                return Err(Error::Engine(EngineError::Invalid("the branch was deleted while it ran".into())));
             }
         };
         let run_millis = millis(t0.elapsed());
@@ -238,7 +242,7 @@ impl Agent {
             tokio::select! {
                 d = taken => d,
                 () = until_deleted(&mut deleted) => {
-                    return Err(Error::Invalid("the branch was deleted while its diff was taken".into()));
+                    return Err(Error::Engine(EngineError::Invalid("the branch was deleted while its diff was taken".into())));
                 }
             }
         } else {

@@ -28,9 +28,9 @@ use tracing::{info, instrument, warn};
 use super::commit_guard::{Conflict, PendingFullCommit, Promotes};
 use super::registry::SandboxRecord;
 use super::{Agent, now, writes};
-use crate::engine::LocalSandbox;
-use crate::error::{Error, Result};
-use crate::fault;
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::engine::LocalSandbox;
+use ramify_engine::fault;
 
 /// At most this many changed files are listed in a status (the count is always exact).
 const MAX_LISTED_FILES: usize = 256;
@@ -105,7 +105,9 @@ impl Agent {
             (rec, Promoted::default()) // applied before a crash: report it
         } else {
             let winner_obj = winner_obj.ok_or_else(|| {
-                Error::Invalid(format!("winning branch {winner} is gone before its commit"))
+                Error::Engine(EngineError::Invalid(format!(
+                    "winning branch {winner} is gone before its commit"
+                )))
             })?;
             // Its node agent was lost before it shipped the winner here: the operator
             // fails the set; nothing of it is applied.
@@ -170,9 +172,11 @@ impl Agent {
     /// handle holds now (its phase and `Ready` as they are, the new `sandboxId`).
     async fn report_parent_sandbox(&self, parent: &SandboxObj) -> Result<()> {
         let uid = parent.uid().unwrap_or_default();
-        let h = self
-            .handle(&uid)
-            .ok_or_else(|| Error::Invalid("parent sandbox has no local handle".into()))?;
+        let h = self.handle(&uid).ok_or_else(|| {
+            Error::Engine(EngineError::Invalid(
+                "parent sandbox has no local handle".into(),
+            ))
+        })?;
         let st = parent.status.clone().unwrap_or_default();
         let ready = st.conditions.iter().find(|c| c.type_ == "Ready");
         let ready = (
@@ -196,14 +200,16 @@ impl Agent {
         winner_obj: &SandboxObj,
     ) -> Result<Applied> {
         let winner_uid = winner_obj.uid().unwrap_or_default();
-        let parent_h = self
-            .handle(parent_uid)
-            .ok_or_else(|| Error::Invalid("parent sandbox has no local handle".into()))?;
+        let parent_h = self.handle(parent_uid).ok_or_else(|| {
+            Error::Engine(EngineError::Invalid(
+                "parent sandbox has no local handle".into(),
+            ))
+        })?;
         let winner_h = self.handle(&winner_uid).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::Engine(EngineError::Invalid(format!(
                 "winning branch {} is not running on this node",
                 winner_obj.name_any()
-            ))
+            )))
         })?;
         let fork = self
             .registry
@@ -226,7 +232,7 @@ impl Agent {
             }
             // Committed or refused: it waits only for its deletion.
             _ => {
-                self.freeze_branch(&winner_uid, crate::freezer::Depth::Freeze)
+                self.freeze_branch(&winner_uid, ramify_engine::freezer::Depth::Freeze)
                     .await
             }
         }
@@ -247,17 +253,18 @@ impl Agent {
         let bs_uid = bs.uid().unwrap_or_default();
         let winner_uid = winner_uid.to_string();
         let mut pg = parent_h.lock().await;
-        let mut rec = self
-            .registry
-            .sandbox(parent_uid)?
-            .ok_or_else(|| Error::Invalid("parent sandbox lost its record".into()))?;
+        let mut rec = self.registry.sandbox(parent_uid)?.ok_or_else(|| {
+            Error::Engine(EngineError::Invalid(
+                "parent sandbox lost its record".into(),
+            ))
+        })?;
         let mut wg = winner_h.lock().await;
         let p = pg
             .as_mut()
-            .ok_or_else(|| Error::Invalid("parent sandbox gone".into()))?;
+            .ok_or_else(|| Error::Engine(EngineError::Invalid("parent sandbox gone".into())))?;
         let w = wg
             .as_mut()
-            .ok_or_else(|| Error::Invalid("winner already consumed".into()))?;
+            .ok_or_else(|| Error::Engine(EngineError::Invalid("winner already consumed".into())))?;
         match bs.spec.commit.mode {
             CommitMode::Full => {
                 if let Err(c) = rec.commits.check(fork, Promotes::Everything) {
@@ -277,9 +284,9 @@ impl Agent {
                 rec.sandbox_id = w.id.clone();
                 self.save_commit_state(&rec)?;
                 fault::hold(fault::FULL_COMMIT_RECORDED).await;
-                let w = wg
-                    .take()
-                    .ok_or_else(|| Error::Invalid("winner already consumed".into()))?;
+                let w = wg.take().ok_or_else(|| {
+                    Error::Engine(EngineError::Invalid("winner already consumed".into()))
+                })?;
                 let old = std::mem::replace(p, w);
                 // Cluster mode: the parent runs in the winner's Pod from now on (the
                 // operator hands that Pod to it; the old one goes).
@@ -302,10 +309,10 @@ impl Agent {
                 // Files are copied into a running parent; a suspended one is waited for
                 // (a Full commit needs no parent process: the winner takes its place).
                 if p.suspended.is_some() {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::Engine(EngineError::Invalid(format!(
                         "parent sandbox {} is suspended: this Paths commit is applied when it resumes (spec.suspended: false)",
                         p.name
-                    )));
+                    ))));
                 }
                 let plan = self
                     .engine
@@ -410,15 +417,15 @@ impl Agent {
         })?;
         match saved {
             Some(_) => Ok(()),
-            None => Err(Error::Invalid(format!(
+            None => Err(Error::Engine(EngineError::Invalid(format!(
                 "the record of {} vanished during its commit",
                 rec.name
-            ))),
+            )))),
         }
     }
 }
 
-fn promoted_files(report: &crate::engine::CommitReport) -> Promoted {
+fn promoted_files(report: &ramify_engine::engine::CommitReport) -> Promoted {
     let d = &report.diff;
     let mut files = Vec::new();
     for (list, kind) in [

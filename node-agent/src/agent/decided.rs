@@ -1,6 +1,6 @@
 //! Decided branches stop consuming CPU. A branch whose verdict is recorded (its run
 //! finished and it waits for the set's decision) is paused (`runsc pause`, see
-//! [`crate::freezer`]) until it is committed or deleted, and so is every loser the moment its BranchSet
+//! [`ramify_engine::freezer`]) until it is committed or deleted, and so is every loser the moment its BranchSet
 //! names a winner, before any API call. A frozen branch gives its CPU back to the
 //! node's capacity at once and keeps only the memory it holds.
 
@@ -13,10 +13,10 @@ use ramify_crds::{BranchSet, Sandbox as SandboxObj};
 use tracing::{debug, warn};
 
 use super::Agent;
-use crate::cgroup;
-use crate::engine::LocalSandbox;
-use crate::error::{Error, Result};
-use crate::freezer::{self, FreezeLock};
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::cgroup;
+use ramify_engine::engine::LocalSandbox;
+use ramify_engine::freezer::{self, FreezeLock};
 
 /// Where a branch lives on the node (read without its handle: a running command
 /// holds that).
@@ -25,7 +25,7 @@ pub struct BranchPlace {
     pub cgroups_path: String,
     pub dir: std::path::PathBuf,
     /// What `runsc pause`/`resume` address.
-    pub ctx: crate::runsc::SandboxCtx,
+    pub ctx: ramify_engine::runsc::SandboxCtx,
     /// `namespace/branchset`.
     pub set: String,
     pub branch: String,
@@ -129,7 +129,7 @@ impl Agent {
             let dir = place.dir.clone();
             let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
                 .await
-                .map_err(|e| Error::Join(e.to_string()))??;
+                .map_err(|e| Error::Engine(EngineError::Join(e.to_string())))??;
             // Forgotten (deleted) while the lock was awaited: leave it to the teardown.
             if self.decided.place(uid).is_none() {
                 return Ok(false);
@@ -182,7 +182,7 @@ impl Agent {
         let dir = place.dir.clone();
         let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
             .await
-            .map_err(|e| Error::Join(e.to_string()))??;
+            .map_err(|e| Error::Engine(EngineError::Join(e.to_string())))??;
         freezer::resume(
             self.engine.runsc(),
             &place.ctx,

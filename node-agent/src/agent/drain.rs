@@ -23,8 +23,8 @@ use tracing::info;
 
 use super::Agent;
 use super::pods::PodGone;
-use crate::engine::LocalSandbox;
 use crate::error::Result;
+use ramify_engine::engine::LocalSandbox;
 
 /// How often a sandbox suspended by a drain is looked at while it waits to move.
 const DRAIN_RECHECK: Duration = Duration::from_secs(5);

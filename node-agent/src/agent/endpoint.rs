@@ -31,8 +31,8 @@ use tokio_tungstenite::tungstenite::protocol::Role;
 use tracing::{info, warn};
 
 use super::registry::Registry;
-use crate::engine::{Engine, LocalSandbox};
-use crate::freezer::Look;
+use ramify_engine::engine::{Engine, LocalSandbox};
+use ramify_engine::freezer::Look;
 
 /// Where and how the endpoint listens.
 #[derive(Clone, Debug)]
@@ -65,6 +65,12 @@ pub enum EndpointError {
     NotFound(String),
     #[error("{0}")]
     Agent(#[from] crate::Error),
+}
+
+impl From<ramify_engine::Error> for EndpointError {
+    fn from(e: ramify_engine::Error) -> Self {
+        EndpointError::Agent(e.into())
+    }
 }
 
 /// A bound endpoint, ready to serve.
@@ -288,7 +294,9 @@ fn error_response(e: &EndpointError) -> Response<Body> {
     let code = match e {
         EndpointError::NotFound(_) => StatusCode::NOT_FOUND,
         // A request the sandbox cannot serve (no command, no baseline for a diff).
-        EndpointError::Agent(crate::Error::Invalid(_)) => StatusCode::CONFLICT,
+        EndpointError::Agent(crate::Error::Engine(ramify_engine::Error::Invalid(_))) => {
+            StatusCode::CONFLICT
+        }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     https::status(code, &e.to_string())
@@ -296,7 +304,7 @@ fn error_response(e: &EndpointError) -> Response<Body> {
 
 /// Runs the command, streaming its stdout and stderr as channel messages while they
 /// come, then its exit status. A client that goes away kills it.
-async fn run_exec<S>(ws: WebSocketStream<S>, cmd: crate::cmd::Cmd)
+async fn run_exec<S>(ws: WebSocketStream<S>, cmd: ramify_engine::cmd::Cmd)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {

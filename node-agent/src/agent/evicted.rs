@@ -31,9 +31,9 @@ use ramify_crds::{ConditionStatus, ConditionsExt, Sandbox as SandboxObj, Sandbox
 use tracing::{info, warn};
 
 use super::pods::PodGone;
-use super::{Agent, Handle, error_category};
-use crate::engine::{LocalSandbox, Suspension};
-use crate::error::{Error, Result};
+use super::{Agent, Handle};
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::engine::{LocalSandbox, Suspension};
 
 /// How soon a workspace that moved out is looked at again (its new Pod wakes it too).
 const MOVED_RECHECK: Duration = Duration::from_secs(5);
@@ -104,7 +104,7 @@ impl Agent {
             None => match self.checkpoint_to_move(sb).await {
                 Ok(s) => s,
                 Err(e) => {
-                    self.metrics.failed("move", error_category(&e));
+                    self.metrics.failed("move", e.category());
                     warn!(sandbox = %obj.name_any(), error = %e, "the workspace could not be checkpointed: it ends with its Pod");
                     drop(guard);
                     let why = PodGone {
@@ -152,10 +152,10 @@ impl Agent {
     /// a suspend.
     async fn checkpoint_to_move(&self, sb: &mut LocalSandbox) -> Result<Suspension> {
         if let Some(reason) = self.make_store_room(1, 0).await? {
-            return Err(Error::Snapshot {
+            return Err(Error::Engine(EngineError::Snapshot {
                 id: sb.id.clone(),
                 reason,
-            });
+            }));
         }
         let t0 = Instant::now();
         let s = self.engine.suspend(sb).await?;
@@ -186,7 +186,7 @@ impl Agent {
                 }
             },
             Err(e) => {
-                self.metrics.failed("suspend_upload", error_category(&e));
+                self.metrics.failed("suspend_upload", e.category());
                 warn!(sandbox = %obj.name_any(), image = %s.image, error = %e, "uploading a moving workspace's image failed: its new Pod goes to this node");
                 s
             }

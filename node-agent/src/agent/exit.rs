@@ -8,8 +8,8 @@ use serde_json::json;
 use tracing::info;
 
 use super::Agent;
-use crate::engine::LocalSandbox;
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::engine::LocalSandbox;
 
 impl Agent {
     /// `sb` stopped running: say how, once (the phase leaves `Running`).
@@ -20,7 +20,7 @@ impl Agent {
             crate::exit_reason::observe_parts(&runsc, &ctx, &cgroups_path)
         })
         .await
-        .map_err(|e| Error::Join(e.to_string()))?;
+        .map_err(|e| Error::Engine(EngineError::Join(e.to_string())))?;
         let phase = if exit.reason == ExitReason::Completed {
             SandboxPhase::Succeeded
         } else {

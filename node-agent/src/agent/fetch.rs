@@ -17,8 +17,8 @@ use tracing::{info, warn};
 
 use super::Agent;
 use super::registry::SnapshotRecord;
-use crate::error::{Error, Result};
-use crate::rootfs::RootfsSource;
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::rootfs::RootfsSource;
 
 /// How soon a branch waiting for its snapshot's upload looks again.
 const NOT_YET_RETRY: Duration = Duration::from_millis(500);
@@ -49,12 +49,12 @@ impl Agent {
         if let (Some(p), Some(want)) = (&pulled, st.and_then(|s| s.image_digest.as_ref()))
             && &p.digest != want
         {
-            return Err(Error::RootfsRefused(format!(
+            return Err(Error::Engine(EngineError::RootfsRefused(format!(
                 "its image resolves to {} on node {}, not {want} snapshot {} was taken with",
                 p.digest,
                 self.cfg.node,
                 snap.name_any()
-            )));
+            ))));
         }
         Ok((rec, source))
     }
@@ -71,21 +71,21 @@ impl Agent {
         let name = snap.name_any();
         let from = st.node_name.clone().unwrap_or_default();
         let Some(remote) = self.cfg.remote.as_ref() else {
-            return Err(Error::Snapshot {
+            return Err(Error::Engine(EngineError::Snapshot {
                 id: name,
                 reason: format!(
                     "was taken on node {from}, and node {} has no object store to download it from (the chart's objectStore)",
                     self.cfg.node
                 ),
-            });
+            }));
         };
         let (true, Some(sha)) = (
             st.storage.as_ref().is_some_and(|s| s.remote),
             st.sha256.clone(),
         ) else {
-            return Err(Error::NotYet(format!(
+            return Err(Error::Engine(EngineError::NotYet(format!(
                 "waiting for snapshot {name} (taken on node {from}) to reach the object store"
-            )));
+            ))));
         };
         let uid = snap.uid().unwrap_or_default();
         let store = self.engine.store();

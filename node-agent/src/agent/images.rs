@@ -17,11 +17,11 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::Agent;
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
 use crate::image::{
     Credentials, ImageError, ImageRef, ImageStore, PulledImage, credentials_for, default_policy,
 };
-use crate::spec::WorkloadSpec;
+use ramify_engine::spec::WorkloadSpec;
 
 /// How often unused images and layers are looked for (also after every deletion).
 pub const IMAGE_GC_INTERVAL: Duration = Duration::from_secs(300);
@@ -42,7 +42,7 @@ impl Agent {
         let _ = self.images.set(store);
         self.images
             .get()
-            .ok_or_else(|| Error::Join("image store not set".into()))
+            .ok_or_else(|| Error::Engine(EngineError::Join("image store not set".into())))
     }
 
     /// The credentials for `registry` from the Secrets `names` of `namespace` (each
@@ -228,13 +228,14 @@ impl Agent {
             }
             if let Err(e) = self.image_gc(IMAGE_GC_GRACE).await {
                 warn!(error = %e, "image cache GC failed");
-                self.engine.count_cleanup_failure("image gc", &e);
+                self.engine.count_cleanup_failure("image gc", e.category());
             }
             // Snapshot images deleted while a sandbox read them, whose readers are gone
             // (a teardown sweeps too; this catches a reader that died on its own).
             if let Err(e) = self.engine.store().sweep_held() {
                 warn!(error = %e, "removing deleted snapshot images nobody reads any more");
-                self.engine.count_cleanup_failure("held images", &e);
+                self.engine
+                    .count_cleanup_failure("held images", e.category());
             }
         }
     }
@@ -252,10 +253,10 @@ pub fn workload_with_image(
     if obj.spec.command.is_empty() {
         w.args = c.argv();
         if w.args.is_empty() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Engine(EngineError::Invalid(format!(
                 "spec.command is empty and image {} has no entrypoint or cmd",
                 p.pinned
-            )));
+            ))));
         }
     }
     let mut env = c.env_pairs();

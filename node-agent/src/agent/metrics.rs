@@ -122,7 +122,7 @@ impl AgentMetrics {
     }
 
     /// The agent's metrics, with the engine's `cleanup` failures among them.
-    pub fn new(runsc_version: &str, cleanup: &crate::cleanup::CleanupFailures) -> Self {
+    pub fn new(runsc_version: &str, cleanup: &ramify_engine::cleanup::CleanupFailures) -> Self {
         let mut r = Registry::with_prefix("ramify_node_agent");
         let buckets = || exponential_buckets(0.0001, 2.0, 20);
         let m = Self {
@@ -335,7 +335,7 @@ impl AgentMetrics {
     }
 
     /// Records the platform decided at start-up: one series, value 1.
-    pub fn set_platform(&self, d: &crate::platform::PlatformDecision) {
+    pub fn set_platform(&self, d: &ramify_engine::platform::PlatformDecision) {
         self.platform
             .get_or_create(&PlatformLabels {
                 platform: d.platform.as_str().into(),
@@ -347,8 +347,8 @@ impl AgentMetrics {
     /// Records the restore mode decided at start-up: one series, value 1.
     pub fn set_restore_pages(
         &self,
-        mode: crate::runsc::RestorePages,
-        requested: crate::runsc::RestorePages,
+        mode: ramify_engine::runsc::RestorePages,
+        requested: ramify_engine::runsc::RestorePages,
     ) {
         self.restore_pages
             .get_or_create(&RestorePagesLabels {
@@ -380,8 +380,8 @@ impl AgentMetrics {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
-    use crate::platform::PlatformDecision;
-    use crate::runsc::Platform;
+    use ramify_engine::platform::PlatformDecision;
+    use ramify_engine::runsc::Platform;
 
     #[test]
     fn the_platform_in_use_is_a_labelled_series() {
@@ -400,7 +400,7 @@ mod tests {
 
     #[test]
     fn the_restore_mode_in_use_is_a_labelled_series() {
-        use crate::runsc::RestorePages;
+        use ramify_engine::runsc::RestorePages;
         let m = AgentMetrics::new("release-test", &Default::default());
         m.set_restore_pages(RestorePages::Lazy, RestorePages::Auto);
         let text = ramify_runtime::render(&m.registry);

@@ -67,9 +67,9 @@ use ramify_crds::{
 use tokio::sync::Mutex as AsyncMutex;
 use tracing::{info, warn};
 
-use crate::engine::{Engine, LocalSandbox, WarmPool};
 use crate::error::{Error, Result};
 use metrics::AgentMetrics;
+use ramify_engine::engine::{Engine, LocalSandbox, WarmPool};
 use registry::Registry;
 
 /// Agent settings.
@@ -175,10 +175,6 @@ fn millis(d: Duration) -> i64 {
 /// `runsc version release-20260527.0` -> `release-20260527.0` (for status).
 pub fn short_version(v: &str) -> &str {
     v.trim_start_matches("runsc version ").trim()
-}
-
-fn error_category(e: &Error) -> &'static str {
-    e.category()
 }
 
 impl Agent {
@@ -305,7 +301,7 @@ impl Agent {
             error = %e,
             "cleanup failed"
         );
-        self.engine.count_cleanup_failure(step, e);
+        self.engine.count_cleanup_failure(step, e.category());
     }
 
     async fn release_finalizer<K>(&self, obj: &K) -> Result<()>

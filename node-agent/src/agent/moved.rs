@@ -23,10 +23,10 @@ use kube::runtime::controller::Action;
 use ramify_crds::{Sandbox as SandboxObj, SandboxPhase, SuspensionStatus};
 use tracing::{info, warn};
 
+use super::Agent;
 use super::commit_guard::CommitLog;
 use super::registry::SandboxRecord;
-use super::{Agent, error_category};
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
 
 /// How often held suspended sandboxes are checked for having moved away.
 const SWEEP_EVERY: Duration = Duration::from_secs(2);
@@ -82,41 +82,41 @@ impl Agent {
         let slot = self.admission.restores.permit(uid);
         self.publish_capacity();
         let status = obj.status.clone().unwrap_or_default();
-        let resumed =
-            async {
-                if self.engine.store().meta(&susp.image).is_err() {
-                    let remote = remote.as_ref().filter(|_| susp.remote).ok_or_else(|| {
-                        Error::ImageLost {
-                            id: susp.image.clone(),
-                            reason: format!(
-                                "its image is not on node {} and has no copy in an object store",
-                                self.cfg.node
-                            ),
-                        }
-                    })?;
-                    self.download_image(obj, remote, &susp.image, &susp.sha256)
-                        .await?;
-                }
-                let (_, source, pulled) = self.fresh_source(obj).await?;
-                if let (Some(p), Some(want)) = (&pulled, &status.image_digest)
-                    && &p.digest != want
-                {
-                    return Err(Error::RootfsRefused(format!(
-                        "its image resolves to {} on node {}, not {want} it was suspended with",
-                        p.digest, self.cfg.node
-                    )));
-                }
-                self.engine
-                    .resume_moved(
-                        &obj.name_any(),
-                        &susp.image,
-                        source,
-                        status.identity.clone(),
-                        pod_uid,
-                    )
-                    .await
+        let resumed = async {
+            if self.engine.store().meta(&susp.image).is_err() {
+                let remote = remote.as_ref().filter(|_| susp.remote).ok_or_else(|| {
+                    Error::Engine(EngineError::ImageLost {
+                        id: susp.image.clone(),
+                        reason: format!(
+                            "its image is not on node {} and has no copy in an object store",
+                            self.cfg.node
+                        ),
+                    })
+                })?;
+                self.download_image(obj, remote, &susp.image, &susp.sha256)
+                    .await?;
             }
-            .await;
+            let (_, source, pulled) = self.fresh_source(obj).await?;
+            if let (Some(p), Some(want)) = (&pulled, &status.image_digest)
+                && &p.digest != want
+            {
+                return Err(Error::Engine(EngineError::RootfsRefused(format!(
+                    "its image resolves to {} on node {}, not {want} it was suspended with",
+                    p.digest, self.cfg.node
+                ))));
+            }
+            self.engine
+                .resume_moved(
+                    &obj.name_any(),
+                    &susp.image,
+                    source,
+                    status.identity.clone(),
+                    pod_uid,
+                )
+                .await
+                .map_err(Error::from)
+        }
+        .await;
         drop(slot);
         self.admission.restores.leave(uid);
         let (sb, took) = match resumed {
@@ -124,7 +124,7 @@ impl Agent {
             Err(e) => {
                 self.admission.capacity.leave(uid);
                 self.publish_capacity();
-                self.metrics.failed("resume", error_category(&e));
+                self.metrics.failed("resume", e.category());
                 let permanent = e.is_permanent();
                 warn!(sandbox = %obj.name_any(), error = %e, permanent, "resuming a moved sandbox failed");
                 if permanent {

@@ -26,7 +26,7 @@ use serde_json::json;
 use tracing::{info, instrument, warn};
 
 use super::{Agent, Handle};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A sandbox waiting for its Pod is looked at again after this long even without a
 /// Pod event (a safety net: Pod events wake it at once).
@@ -73,14 +73,14 @@ impl PoolPods {
     }
 }
 
-impl crate::engine::PodSupply for PoolPods {
-    fn in_pool(&self) -> Vec<crate::engine::PoolPod> {
+impl ramify_engine::engine::PodSupply for PoolPods {
+    fn in_pool(&self) -> Vec<ramify_engine::engine::PoolPod> {
         let mut pods: Vec<_> = self
             .store
             .state()
             .iter()
             .filter(|p| self.fillable(p))
-            .map(|p| crate::engine::PoolPod {
+            .map(|p| ramify_engine::engine::PoolPod {
                 uid: p.uid().unwrap_or_default(),
                 name: p.name_any(),
             })
@@ -428,7 +428,7 @@ impl Agent {
         } else {
             info!(id = %sb.id, message = %why.message, "the sandbox had ended: cleaning it up");
         }
-        if let Err(e) = self.engine.teardown(sb).await {
+        if let Err(e) = self.engine.teardown(sb).await.map_err(Error::from) {
             self.cleanup_failed(obj, "destroy after its Pod went", &e);
             return Err(e);
         }
@@ -455,7 +455,7 @@ impl Agent {
     /// the code, so the Pod's phase follows the Sandbox's).
     pub(super) fn write_pod_exit(
         &self,
-        sb: &crate::engine::LocalSandbox,
+        sb: &ramify_engine::engine::LocalSandbox,
         code: Option<i32>,
     ) -> Result<()> {
         match &sb.placed.pod {
@@ -504,7 +504,7 @@ mod tests {
     /// across namespaces): filling it would restore the other tenant's memory into it.
     #[test]
     fn only_the_snapshots_own_pool_pods_on_this_node_are_filled() {
-        use crate::engine::PodSupply;
+        use ramify_engine::engine::PodSupply;
         let pool_pod = |name: &str, uid: &str, extra: serde_json::Value| {
             let mut p = pod(json!({"metadata": {"name": name, "uid": uid,
                 "labels": {LABEL_WARM_POOL: "snap-uid"},

@@ -18,8 +18,8 @@ use serde_json::json;
 use tracing::warn;
 
 use super::{Agent, admission, rootfs_class, writes};
-use crate::error::{Error, Result};
-use crate::rootfs::RootfsSource;
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::rootfs::RootfsSource;
 
 /// How often a kept pool is looked at (a local count; status is written on change).
 const KEEP_EVERY: Duration = Duration::from_millis(250);
@@ -91,7 +91,7 @@ impl Agent {
                         .pool_unavailable(snap, reported, why, Refusal::Waiting)
                         .await;
                 }
-                Err(Error::NotYet(why)) => {
+                Err(Error::Engine(EngineError::NotYet(why))) => {
                     return self
                         .pool_unavailable(snap, reported, why, Refusal::Waiting)
                         .await;
@@ -133,10 +133,10 @@ impl Agent {
             .get_opt(&snap.spec.source.sandbox)
             .await?
             .ok_or_else(|| {
-                Error::Invalid(format!(
+                Error::Engine(EngineError::Invalid(format!(
                     "its source sandbox {} is gone: the root filesystem its branches restore on is not known here",
                     snap.spec.source.sandbox
-                ))
+                )))
             })?;
         let reservation = admission::pool_key(uid);
         let group = format!("pool/{ns}/{}", snap.name_any());
@@ -177,7 +177,7 @@ impl Agent {
         let pool = self.engine.warm_pool_gated(
             &rec.image_id,
             want,
-            self.admission.restores.clone(),
+            self.admission.restore_slots(),
             group,
             Some(rootfs),
         );
@@ -202,7 +202,9 @@ impl Agent {
             .as_ref()
             .and_then(|s| s.image_digest.as_deref())
             .ok_or_else(|| {
-                Error::Invalid("the snapshot records no image digest to restore on".into())
+                Error::Engine(EngineError::Invalid(
+                    "the snapshot records no image digest to restore on".into(),
+                ))
             })?;
         Ok(RootfsSource::Dir(self.images()?.rootfs_of(digest)))
     }
@@ -214,7 +216,8 @@ impl Agent {
         }
         if let Err(e) = self.pools.replace(uid, None).await {
             warn!(snapshot = %name, error = %e, "closing a warm pool failed");
-            self.engine.count_cleanup_failure("close warm pool", &e);
+            self.engine
+                .count_cleanup_failure("close warm pool", e.category());
         }
         self.admission.capacity.leave(&admission::pool_key(uid));
         self.publish_capacity();

@@ -8,8 +8,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::engine::{LocalSandbox, WarmPool};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use ramify_engine::engine::{LocalSandbox, WarmPool};
 
 /// What the map holds: a pool of pre-restored branches.
 pub trait Pool: Send + Sync + 'static {
@@ -47,13 +47,8 @@ impl Pool for WarmPool {
     fn ready(&self) -> usize {
         WarmPool::ready(self)
     }
-    fn claim_as(
-        &self,
-        name: &str,
-        index: u32,
-        timeout: Duration,
-    ) -> impl Future<Output = Result<LocalSandbox>> + Send {
-        WarmPool::claim_as(self, name, index, timeout)
+    async fn claim_as(&self, name: &str, index: u32, timeout: Duration) -> Result<LocalSandbox> {
+        Ok(WarmPool::claim_as(self, name, index, timeout).await?)
     }
     async fn claim_in(
         &self,
@@ -65,13 +60,17 @@ impl Pool for WarmPool {
         if !self.holds_in(pod_uid) {
             return None;
         }
-        Some(WarmPool::claim_in(self, pod_uid, name, index, timeout).await)
+        Some(
+            WarmPool::claim_in(self, pod_uid, name, index, timeout)
+                .await
+                .map_err(Error::from),
+        )
     }
     fn ready_pods(&self) -> Vec<String> {
         WarmPool::ready_pods(self)
     }
-    fn close(&self) -> impl Future<Output = Result<()>> + Send {
-        WarmPool::close(self)
+    async fn close(&self) -> Result<()> {
+        Ok(WarmPool::close(self).await?)
     }
 }
 

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use super::commit_guard::{CommitLog, PendingFullCommit};
-use crate::error::{Error, Result};
-use crate::private::write_atomic;
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::private::write_atomic;
 
 /// A Sandbox object backed by a local sandbox.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,7 +123,9 @@ fn valid_uid(uid: &str) -> Result<()> {
         || uid.len() > 64
         || !uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
     {
-        return Err(Error::Invalid(format!("not an object uid: {uid:?}")));
+        return Err(Error::Engine(EngineError::Invalid(format!(
+            "not an object uid: {uid:?}"
+        ))));
     }
     Ok(())
 }
@@ -135,7 +137,7 @@ impl Registry {
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
         for sub in ["sandboxes", "snapshots", FETCHED] {
-            crate::private::dir_all(&dir.join(sub))?;
+            ramify_engine::private::dir_all(&dir.join(sub))?;
         }
         Ok(Self {
             dir,
@@ -189,14 +191,14 @@ impl Registry {
     fn write_lock(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
         self.sandbox_writes
             .lock()
-            .map_err(|_| Error::Join("registry lock poisoned".into()))
+            .map_err(|_| Error::Engine(EngineError::Join("registry lock poisoned".into())))
     }
 
     fn write_sandbox(&self, r: &SandboxRecord) -> Result<()> {
-        write_atomic(
+        Ok(write_atomic(
             &self.path("sandboxes", &r.uid)?,
             &serde_json::to_vec_pretty(r)?,
-        )
+        )?)
     }
 
     pub fn put_sandbox(&self, r: &SandboxRecord) -> Result<()> {
@@ -275,7 +277,10 @@ impl Registry {
     }
 
     fn put_in(&self, kind: &str, r: &SnapshotRecord) -> Result<()> {
-        write_atomic(&self.path(kind, &r.uid)?, &serde_json::to_vec_pretty(r)?)
+        Ok(write_atomic(
+            &self.path(kind, &r.uid)?,
+            &serde_json::to_vec_pretty(r)?,
+        )?)
     }
 
     fn get_in(&self, kind: &str, uid: &str) -> Result<Option<SnapshotRecord>> {

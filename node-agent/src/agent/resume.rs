@@ -20,8 +20,8 @@ use tracing::{info, instrument, warn};
 use super::Agent;
 use super::metrics::RecordLabels;
 use super::registry::CorruptRecord;
-use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
+use ramify_engine::engine::LocalSandbox;
 
 impl Agent {
     /// Re-adopts what the registry says this node holds and destroys what the API no
@@ -192,7 +192,8 @@ impl Agent {
     fn remove_image(&self, id: &str, why: &str) {
         if let Err(e) = self.engine.store().remove(id) {
             warn!(image = %id, why, error = %e, "removing a snapshot image failed");
-            self.engine.count_cleanup_failure("remove image", &e);
+            self.engine
+                .count_cleanup_failure("remove image", e.category());
         }
     }
 

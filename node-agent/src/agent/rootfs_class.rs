@@ -5,8 +5,8 @@ use kube::Client;
 use kube::api::Api;
 use ramify_crds::{Rootfs, RootfsClass};
 
-use crate::error::{Error, Result};
-use crate::rootfs::RootfsSource;
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::rootfs::RootfsSource;
 
 /// The class a Sandbox names and where it says its root filesystem is. Refusals
 /// (no class named, a removed field set, no such class) name the Sandbox field; a
@@ -14,26 +14,26 @@ use crate::rootfs::RootfsSource;
 pub async fn source_of(client: &Client, rootfs: &Rootfs) -> Result<(String, RootfsSource)> {
     // The schema rejects these; an older CRD in the cluster might not.
     if let Some(p) = &rootfs.path {
-        return Err(Error::RootfsRefused(format!(
+        return Err(Error::Engine(EngineError::RootfsRefused(format!(
             "spec.rootfs.path {p:?}: a Sandbox cannot name a node directory; set spec.rootfs.class"
-        )));
+        ))));
     }
     if rootfs.oci_ref.is_some() {
-        return Err(Error::RootfsRefused(
+        return Err(Error::Engine(EngineError::RootfsRefused(
             "spec.rootfs.ociRef: a Sandbox cannot name a node OCI layout; set spec.rootfs.class"
                 .into(),
-        ));
+        )));
     }
     let Some(name) = rootfs.class.clone() else {
-        return Err(Error::RootfsRefused(
+        return Err(Error::Engine(EngineError::RootfsRefused(
             "spec.rootfs.class must name a RootfsClass".into(),
-        ));
+        )));
     };
     let api: Api<RootfsClass> = Api::all(client.clone());
     let class = api.get_opt(&name).await?.ok_or_else(|| {
-        Error::RootfsRefused(format!(
+        Error::Engine(EngineError::RootfsRefused(format!(
             "spec.rootfs.class {name:?}: no RootfsClass of that name (kubectl get rootfsclasses)"
-        ))
+        )))
     })?;
     let path = class.spec.path.clone().into();
     let source = match class.spec.oci_ref {
@@ -59,8 +59,10 @@ pub fn name_the_field(class: &str, source: &RootfsSource, e: Error) -> Error {
         )
     };
     match e {
-        Error::RootfsRefused(m) => Error::RootfsRefused(say(m)),
-        Error::Rootfs(m) => Error::Rootfs(say(m)),
+        Error::Engine(EngineError::RootfsRefused(m)) => {
+            Error::Engine(EngineError::RootfsRefused(say(m)))
+        }
+        Error::Engine(EngineError::Rootfs(m)) => Error::Engine(EngineError::Rootfs(say(m))),
         other => other,
     }
 }

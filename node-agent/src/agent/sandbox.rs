@@ -18,8 +18,8 @@ use tracing::{info, instrument};
 
 use super::pods::PodGone;
 use super::{Agent, Handle, now, writes};
-use crate::engine::LocalSandbox;
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::engine::LocalSandbox;
 
 impl Agent {
     /// Writes the agent-owned part of a Sandbox's status (always the whole part: with
@@ -140,7 +140,7 @@ impl Agent {
         let slot = self
             .in_flight
             .lock()
-            .map_err(|_| Error::Join("in-flight lock poisoned".into()))?
+            .map_err(|_| Error::Engine(EngineError::Join("in-flight lock poisoned".into())))?
             .entry(uid.clone())
             .or_default()
             .clone();
@@ -205,7 +205,7 @@ impl Agent {
                             if let Some(s) = &sb.suspended {
                                 self.drop_remote_suspension(s).await;
                             }
-                            if let Err(e) = self.engine.teardown(&sb).await {
+                            if let Err(e) = self.engine.teardown(&sb).await.map_err(Error::from) {
                                 // Held again, so the retry tears down what is left (a
                                 // lease, a rule) instead of finding no handle and
                                 // releasing the finalizer over a half-removed sandbox.
@@ -224,7 +224,8 @@ impl Agent {
                     // image goes, here and in the object store.
                     if let Some(x) = obj.status.as_ref().and_then(|s| s.suspension.as_ref()) {
                         if x.node == self.cfg.node
-                            && let Err(e) = self.engine.store().remove(&x.image)
+                            && let Err(e) =
+                                self.engine.store().remove(&x.image).map_err(Error::from)
                         {
                             self.cleanup_failed(obj, "remove a moved workspace's image", &e);
                             return Err(e);

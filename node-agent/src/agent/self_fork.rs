@@ -1,5 +1,5 @@
 //! Self-forks, node side: serving the `/run/ramify/fork` requests of this node's
-//! sandboxes (see [`crate::self_fork`] for the file protocol).
+//! sandboxes (see [`ramify_engine::self_fork`] for the file protocol).
 //!
 //! One loop for the whole node, woken at once when a `fork` file is written in a
 //! running sandbox's control directory (inotify, `self_fork_wake.rs`) and every
@@ -27,9 +27,9 @@ use serde_json::{Value, json};
 use tracing::{info, warn};
 
 use super::{Agent, writes};
-use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
-use crate::self_fork as proto;
+use ramify_engine::engine::LocalSandbox;
+use ramify_engine::self_fork as proto;
 
 /// How often the control directories are looked at.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -102,13 +102,15 @@ impl Agent {
                 .settle_pending(obj, uid, &dir, sf.requests, pending, missing)
                 .await;
         }
-        let bytes =
-            match crate::control::read_bounded(&dir, proto::REQUEST_FILE, proto::MAX_REQUEST_BYTES)
-            {
-                Ok(None) => return Ok(()),
-                Ok(Some(b)) => Ok(b),
-                Err(r) => Err(r.to_string()),
-            };
+        let bytes = match ramify_engine::control::read_bounded(
+            &dir,
+            proto::REQUEST_FILE,
+            proto::MAX_REQUEST_BYTES,
+        ) {
+            Ok(None) => return Ok(()),
+            Ok(Some(b)) => Ok(b),
+            Err(r) => Err(r.to_string()),
+        };
         // A request caught half-written (`echo ... > fork` truncates, then writes) is
         // read again next time; only one that stays the same and unreadable is refused.
         if let Ok(b) = &bytes {
@@ -120,7 +122,7 @@ impl Agent {
         }
         // Taken out before anything is recorded: a crash from here on loses the request
         // (the workload is told nothing and may ask again), never forks it twice.
-        crate::control::remove_entry(&dir.join(proto::REQUEST_FILE))
+        ramify_engine::control::remove_entry(&dir.join(proto::REQUEST_FILE))
             .map_err(|e| Error::io("remove the fork request", &dir, e))?;
         let accepted = bytes.and_then(|b| self.accept(obj, sf.requests, &b));
         let req = match accepted {

@@ -14,8 +14,8 @@ use nix::sys::inotify::{AddWatchFlags, WatchDescriptor};
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
-use crate::inotify::Events;
-use crate::self_fork::REQUEST_FILE;
+use ramify_engine::inotify::Events;
+use ramify_engine::self_fork::REQUEST_FILE;
 
 /// Wakes the self-fork loop when a request is written.
 pub(super) struct ForkWake {
@@ -25,7 +25,7 @@ pub(super) struct ForkWake {
 
 impl ForkWake {
     pub(super) fn new() -> Self {
-        let events = match crate::inotify::instance() {
+        let events = match ramify_engine::inotify::instance() {
             Ok(fd) => Some(fd),
             Err(e) => {
                 warn!(error = %e, "no inotify: self-fork requests are found by polling");
@@ -70,7 +70,7 @@ impl ForkWake {
     /// Waits until a `fork` file is written in a watched directory (or the queue
     /// overflowed), at most `wait`.
     pub(super) async fn wait(&self, wait: Duration) {
-        crate::inotify::wait_for(self.events.as_ref(), REQUEST_FILE, wait).await;
+        ramify_engine::inotify::wait_for(self.events.as_ref(), REQUEST_FILE, wait).await;
     }
 }
 

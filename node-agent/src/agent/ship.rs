@@ -22,9 +22,9 @@ use tracing::{info, warn};
 
 use super::registry::SandboxRecord;
 use super::{Agent, writes};
-use crate::engine::LocalSandbox;
-use crate::error::{Error, Result};
-use crate::freezer::Depth;
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::engine::LocalSandbox;
+use ramify_engine::freezer::Depth;
 
 /// How often the parent's node looks for the winner's shipped image.
 pub(super) const SHIP_POLL: Duration = Duration::from_millis(500);
@@ -70,12 +70,12 @@ impl Agent {
             return Ok(None);
         };
         let remote = self.cfg.remote.clone().ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::Engine(EngineError::Invalid(format!(
                 "winner {} ran on node {} and node {} has no object store to fetch it from",
                 winner.name_any(),
                 sh.node,
                 self.cfg.node
-            ))
+            )))
         })?;
         let winner_uid = winner.uid().unwrap_or_default();
         let t0 = Instant::now();
@@ -87,14 +87,15 @@ impl Agent {
             if let (Some(p), Some(want)) = (&pulled, want)
                 && &p.digest != want
             {
-                return Err(Error::RootfsRefused(format!(
+                return Err(Error::Engine(EngineError::RootfsRefused(format!(
                     "the winner's image resolves to {} on node {}, not {want}",
                     p.digest, self.cfg.node
-                )));
+                ))));
             }
             self.engine
                 .resume_moved(&winner.name_any(), &sh.image, source, None, None)
                 .await
+                .map_err(Error::from)
         }
         .await;
         let (replica, restored) = match replica {
@@ -118,7 +119,7 @@ impl Agent {
             ..Default::default()
         })?;
         self.insert_handle(&winner_uid, replica);
-        crate::fault::hold(crate::fault::SHIPPED_RESTORED).await;
+        ramify_engine::fault::hold(ramify_engine::fault::SHIPPED_RESTORED).await;
         let applied = self.apply_commit(bs, parent_uid, winner).await;
         if !matches!(applied, Ok(super::commit::Applied::Done(..))) {
             self.discard_replica(&winner_uid).await;
@@ -193,18 +194,18 @@ impl Agent {
             return Ok(Some(Action::await_change()));
         }
         let remote = self.cfg.remote.clone().ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::Engine(EngineError::Invalid(format!(
                 "asked to ship winner {} to its parent's node, and node {} has no object store",
                 obj.name_any(),
                 self.cfg.node
-            ))
+            )))
         })?;
         let fork_generation = self
             .registry
             .sandbox(uid)?
             .and_then(|r| r.fork_generation)
             .unwrap_or(0);
-        crate::fault::hold(crate::fault::SHIP_ASKED).await;
+        ramify_engine::fault::hold(ramify_engine::fault::SHIP_ASKED).await;
         let t0 = Instant::now();
         // Decided, so paused: a checkpoint needs it running.
         self.thaw_branch(uid).await?;

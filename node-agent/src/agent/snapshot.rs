@@ -18,7 +18,7 @@ use serde_json::json;
 use tracing::instrument;
 
 use super::registry::SnapshotRecord;
-use super::{Agent, admission, error_category, millis, now, short_version, writes};
+use super::{Agent, admission, millis, now, short_version, writes};
 use crate::error::Result;
 
 impl Agent {
@@ -111,7 +111,7 @@ impl Agent {
             let r = if sb.suspended.is_some() {
                 // Suspended: its image is the snapshot; it is not woken for it.
                 self.engine.snapshot_suspended(sb, ttl).await.map(|meta| {
-                    crate::engine::SnapshotInfo {
+                    ramify_engine::engine::SnapshotInfo {
                         meta,
                         source_pause: Duration::ZERO,
                         checkpoint: Duration::ZERO,
@@ -128,7 +128,7 @@ impl Agent {
         let info = match info {
             Ok(i) => i,
             Err(e) => {
-                self.metrics.failed("snapshot", error_category(&e));
+                self.metrics.failed("snapshot", e.category());
                 return self
                     .fail_snapshot(snap, "CaptureFailed", e.to_string())
                     .await;
@@ -222,7 +222,7 @@ impl Agent {
                 let pool = self.engine.warm_pool_gated(
                     &rec.image_id,
                     want,
-                    self.admission.restores.clone(),
+                    self.admission.restore_slots(),
                     group,
                     None,
                 );
@@ -301,7 +301,7 @@ impl Agent {
             let pool = self.engine.warm_pool_in_pods(
                 &rec.image_id,
                 std::sync::Arc::new(supply),
-                self.admission.restores.clone(),
+                self.admission.restore_slots(),
                 format!("pool/{ns}/{}", snap.name_any()),
             );
             if let Err(e) = self.pools.replace(uid, Some(pool)).await {
@@ -336,7 +336,7 @@ impl Agent {
     async fn write_snapshot_ready(
         &self,
         snap: &SnapshotObj,
-        meta: &crate::store::SnapshotMeta,
+        meta: &ramify_engine::store::SnapshotMeta,
         pause: Option<Duration>,
         source_generation: u64,
     ) -> Result<()> {

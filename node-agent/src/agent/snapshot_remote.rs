@@ -20,9 +20,9 @@ use tracing::{info, warn};
 
 use super::registry::SnapshotRecord;
 use super::{Agent, now, writes};
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
 use crate::remote::RemoteStore;
-use crate::store::SnapshotStore;
+use ramify_engine::store::SnapshotStore;
 
 /// First and longest wait between upload attempts of one Snapshot.
 const FIRST_RETRY: Duration = Duration::from_secs(1);
@@ -260,10 +260,10 @@ impl Agent {
             }
             Ok(r) => {
                 store.remove(&r.meta.id)?;
-                Err(Error::Snapshot {
+                Err(Error::Engine(EngineError::Snapshot {
                     id: rec.image_id.clone(),
                     reason: format!("the object store's image {sha} is image {}", r.meta.id),
-                })
+                }))
             }
             Err(e) => {
                 let e = Error::from(e);

@@ -16,12 +16,12 @@ use serde_json::json;
 use tracing::warn;
 
 use super::registry::SandboxRecord;
-use super::{Agent, error_category, millis, now, rootfs_class, short_version};
-use crate::engine::{LocalSandbox, StartRequest};
-use crate::error::{Error, Result};
-use crate::placement::Cidr;
-use crate::rootfs::RootfsSource;
-use crate::spec::{Resources, WorkloadSpec};
+use super::{Agent, millis, now, rootfs_class, short_version};
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::engine::{LocalSandbox, StartRequest};
+use ramify_engine::placement::Cidr;
+use ramify_engine::rootfs::RootfsSource;
+use ramify_engine::spec::{Resources, WorkloadSpec};
 
 /// Quantity parsing is shared with the operator's capacity accounting.
 use ramify_crds::capacity::{cpu_millis, memory_bytes};
@@ -67,7 +67,7 @@ pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Cidr>> {
             .network
             .allow
             .iter()
-            .map(|r| r.cidr.parse())
+            .map(|r| r.cidr.parse().map_err(Error::from))
             .collect(),
     }
 }
@@ -157,7 +157,7 @@ impl Agent {
         self.admission.restores.leave(uid);
         let (sb, extra, fork_generation) = match started {
             Ok(x) => x,
-            Err(Error::NotYet(why)) => {
+            Err(Error::Engine(EngineError::NotYet(why))) => {
                 // Nothing of it runs yet: its room goes to whoever waits meanwhile.
                 self.admission.release(uid);
                 self.publish_capacity();
@@ -176,14 +176,16 @@ impl Agent {
                 // (and the image's platform) is immutable, so a retry could only be
                 // refused again.
                 let reason = match &e {
-                    Error::RootfsRefused(_) => REASON_ROOTFS_REFUSED,
-                    Error::PlatformMismatch { .. } => ramify_crds::REASON_PLATFORM_MISMATCH,
+                    Error::Engine(EngineError::RootfsRefused(_)) => REASON_ROOTFS_REFUSED,
+                    Error::Engine(EngineError::PlatformMismatch { .. }) => {
+                        ramify_crds::REASON_PLATFORM_MISMATCH
+                    }
                     Error::Image(ie) => ie.reason(),
                     Error::Remote(_) if e.is_permanent() => "RemoteImageRefused",
                     _ if obj.spec.restore_from.is_some() => "RestoreFailed",
                     _ => "StartFailed",
                 };
-                self.metrics.failed("sandbox", error_category(&e));
+                self.metrics.failed("sandbox", e.category());
                 if let Some(pod_uid) = pod_uid {
                     self.fail_pod(obj, pod_uid);
                 }
@@ -257,9 +259,9 @@ impl Agent {
                 let p = self.pull_for(obj, image).await?;
                 Ok((image.clone(), RootfsSource::Dir(p.rootfs.clone()), Some(p)))
             }
-            (None, None) => Err(Error::Invalid(
+            (None, None) => Err(Error::Engine(EngineError::Invalid(
                 "neither spec.rootfs nor spec.image is set".into(),
-            )),
+            ))),
         }
     }
 
@@ -270,7 +272,8 @@ impl Agent {
         workload: WorkloadSpec,
         pod_uid: Option<&str>,
     ) -> Result<LocalSandbox> {
-        self.engine
+        Ok(self
+            .engine
             .start_in(
                 StartRequest {
                     name: obj.name_any(),
@@ -280,7 +283,7 @@ impl Agent {
                 },
                 pod_uid,
             )
-            .await
+            .await?)
     }
 
     /// Restores a branch (warm pool first, then cold) and returns its provenance and
@@ -311,16 +314,18 @@ impl Agent {
             },
             self.tracked_globs(obj)
         )?;
-        let snap = snap.ok_or_else(|| Error::Snapshot {
-            id: rf.snapshot.clone(),
-            reason: "not found".into(),
+        let snap = snap.ok_or_else(|| {
+            Error::Engine(EngineError::Snapshot {
+                id: rf.snapshot.clone(),
+                reason: "not found".into(),
+            })
         })?;
         let st = snap.status.clone().unwrap_or_default();
         if st.phase != SnapshotPhase::Ready {
-            return Err(Error::Snapshot {
+            return Err(Error::Engine(EngineError::Snapshot {
                 id: rf.snapshot.clone(),
                 reason: format!("is {:?}, not Ready", st.phase),
-            });
+            }));
         }
         // Taken on another node (a BranchSet with spec.placement): its image comes from
         // the object store, once per node, onto the root filesystem resolved here.
@@ -332,9 +337,11 @@ impl Agent {
             let rec = self
                 .registry
                 .snapshot(&snap.uid().unwrap_or_default())?
-                .ok_or_else(|| Error::Snapshot {
-                    id: rf.snapshot.clone(),
-                    reason: "this node holds no image for it".into(),
+                .ok_or_else(|| {
+                    Error::Engine(EngineError::Snapshot {
+                        id: rf.snapshot.clone(),
+                        reason: "this node holds no image for it".into(),
+                    })
                 })?;
             (rec, None)
         };

@@ -17,9 +17,9 @@ use ramify_crds::{
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::{Agent, error_category};
-use crate::engine::{LocalSandbox, Suspension};
-use crate::error::{Error, Result};
+use super::Agent;
+use crate::error::{EngineError, Error, Result};
+use ramify_engine::engine::{LocalSandbox, Suspension};
 
 /// How soon a refused suspend is tried again (the store may have room by then).
 const SUSPEND_RETRY: Duration = Duration::from_secs(15);
@@ -98,7 +98,7 @@ impl Agent {
                 Ok(Some(Action::await_change()))
             }
             Err(e) => {
-                self.metrics.failed("suspend", error_category(&e));
+                self.metrics.failed("suspend", e.category());
                 if self.engine.is_running(sb).await.unwrap_or(false) {
                     self.refuse_suspend(obj, sb, REASON_SUSPEND_FAILED, e.to_string())
                         .await?;
@@ -140,7 +140,7 @@ impl Agent {
         let suspension = sb.suspended.clone();
         let t0 = std::time::Instant::now();
         let resumed = match self.ensure_suspended_image(obj, sb).await {
-            Ok(()) => self.engine.resume(sb).await,
+            Ok(()) => self.engine.resume(sb).await.map_err(Error::from),
             Err(e) => Err(e),
         };
         if resumed.is_ok() {
@@ -155,7 +155,7 @@ impl Agent {
             Err(e) => {
                 self.admission.capacity.leave(uid);
                 self.publish_capacity();
-                self.metrics.failed("resume", error_category(&e));
+                self.metrics.failed("resume", e.category());
                 let permanent = e.is_permanent();
                 warn!(sandbox = %obj.name_any(), error = %e, permanent, "resume failed");
                 let message = if permanent {
@@ -244,7 +244,7 @@ impl Agent {
                             return;
                         }
                         Err(e) => {
-                            agent.metrics.failed("suspend_upload", error_category(&e));
+                            agent.metrics.failed("suspend_upload", e.category());
                             if e.is_permanent() {
                                 warn!(image = %image, error = %e, "uploading a suspended image failed for good");
                                 agent.event(&obj, true, "UploadFailed", e.to_string()).await;
@@ -289,10 +289,10 @@ impl Agent {
         }
         let Some(remote) = self.cfg.remote.as_ref().filter(|_| s.remote) else {
             // Nothing can bring it back: permanent.
-            return Err(Error::ImageLost {
+            return Err(Error::Engine(EngineError::ImageLost {
                 id: s.image.clone(),
                 reason: "the suspended sandbox's image is gone from this node and has no copy in an object store".into(),
-            });
+            }));
         };
         self.download_image(obj, remote, &s.image, &s.sha256).await
     }
@@ -323,10 +323,10 @@ impl Agent {
         );
         if r.meta.id != image {
             store.remove(&r.meta.id)?;
-            return Err(Error::Snapshot {
+            return Err(Error::Engine(EngineError::Snapshot {
                 id: image.to_string(),
                 reason: format!("the object store's image {sha256} is image {}", r.meta.id),
-            });
+            }));
         }
         let note = format!(
             "the suspended image is not on node {}: downloaded from the object store and verified ({} bytes)",
@@ -352,8 +352,7 @@ impl Agent {
         if let Err(e) = remote.delete(sha256).await {
             let e = Error::from(e);
             warn!(image, error = %e, "removing a suspended image's copy from the object store failed");
-            self.metrics
-                .failed("suspend_remote_delete", error_category(&e));
+            self.metrics.failed("suspend_remote_delete", e.category());
         }
     }
 

@@ -18,7 +18,7 @@ use serde::Serialize;
 use tracing::{debug, instrument};
 
 use super::{Agent, now, writes};
-use crate::cgroup::UsageSample;
+use ramify_engine::cgroup::UsageSample;
 
 /// A usage this many write periods old is written again even if nothing moved (its
 /// `sampledAt` says how fresh it is).

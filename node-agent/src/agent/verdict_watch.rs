@@ -21,8 +21,8 @@ use tokio::io::unix::AsyncFd;
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::control::{self, Verdict};
-use crate::inotify::Events;
+use ramify_engine::control::{self, Verdict};
+use ramify_engine::inotify::Events;
 
 /// Reads of the verdict file are at least this far apart.
 pub const MIN_INTERVAL: Duration = Duration::from_millis(50);
@@ -39,7 +39,7 @@ pub struct VerdictWatch {
 }
 
 fn watch(dir: &std::path::Path) -> std::io::Result<AsyncFd<Events>> {
-    let fd = crate::inotify::instance()?;
+    let fd = ramify_engine::inotify::instance()?;
     fd.get_ref().inotify().add_watch(
         dir,
         AddWatchFlags::IN_CREATE
@@ -99,7 +99,7 @@ impl VerdictWatch {
     /// Waits for an event naming the verdict file (or an overflowed queue), at most
     /// `wait`. Events about other names are drained without reading any file.
     async fn event(&self, wait: Duration) {
-        crate::inotify::wait_for(self.events.as_ref(), control::VERDICT_FILE, wait).await;
+        ramify_engine::inotify::wait_for(self.events.as_ref(), control::VERDICT_FILE, wait).await;
     }
 
     /// Returns the verdict once the workload has written one.

@@ -16,7 +16,7 @@ use ramify_runtime::status::{StatusWrite, WriteError, apply_status};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::error::{Error, Result};
+use crate::error::{EngineError, Error, Result};
 
 /// How long one status (or finalizer) write may take.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -47,16 +47,16 @@ impl From<WriteError> for Error {
     fn from(e: WriteError) -> Self {
         match e {
             WriteError::Conflict { what } => Error::Conflict(what),
-            WriteError::Timeout { what, seconds } => Error::Timeout {
+            WriteError::Timeout { what, seconds } => Error::Engine(EngineError::Timeout {
                 command: format!("API write: {what}"),
                 seconds,
-            },
+            }),
             WriteError::Kube(e) => Error::Kube(e),
         }
     }
 }
 
-/// `fut` (an API call), failed with [`Error::Timeout`] past [`WRITE_TIMEOUT`].
+/// `fut` (an API call), failed with a timeout ([`EngineError::Timeout`]) past [`WRITE_TIMEOUT`].
 pub async fn within<T>(what: &str, fut: impl Future<Output = kube::Result<T>>) -> Result<T> {
     within_for(WRITE_TIMEOUT, what, fut).await
 }
@@ -68,10 +68,10 @@ async fn within_for<T>(
 ) -> Result<T> {
     match tokio::time::timeout(limit, fut).await {
         Ok(r) => r.map_err(Error::from),
-        Err(_) => Err(Error::Timeout {
+        Err(_) => Err(Error::Engine(EngineError::Timeout {
             command: format!("API write: {what}"),
             seconds: limit.as_secs(),
-        }),
+        })),
     }
 }
 
@@ -104,7 +104,10 @@ mod tests {
         let limit = Duration::from_millis(50);
         let t0 = std::time::Instant::now();
         let r = within_for(limit, "hang", std::future::pending::<kube::Result<()>>()).await;
-        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::Engine(EngineError::Timeout { .. }))),
+            "{r:?}"
+        );
         assert!(t0.elapsed() >= limit);
     }
 }

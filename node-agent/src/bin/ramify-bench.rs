@@ -29,14 +29,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ramify_node_agent::cmd::Cmd;
-use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, LocalSandbox, StartRequest};
-use ramify_node_agent::placement::{Placement, PlacementRequest, Standalone, StandaloneConfig};
-use ramify_node_agent::procfs::pids_mentioning;
-use ramify_node_agent::rootfs::{RootfsSource, busybox_rootfs};
-use ramify_node_agent::roots::RootfsConfig;
-use ramify_node_agent::runsc::{NetworkMode, Platform, RunscConfig, SandboxCtx};
-use ramify_node_agent::spec::{BundleParams, Resources, WorkloadSpec, oci_config, write_bundle};
+use ramify_engine::cmd::Cmd;
+use ramify_engine::engine::{Engine, EngineConfig, ForkOptions, LocalSandbox, StartRequest};
+use ramify_engine::placement::{Placement, PlacementRequest, Standalone, StandaloneConfig};
+use ramify_engine::procfs::pids_mentioning;
+use ramify_engine::rootfs::{RootfsSource, busybox_rootfs};
+use ramify_engine::roots::RootfsConfig;
+use ramify_engine::runsc::{NetworkMode, Platform, RunscConfig, SandboxCtx};
+use ramify_engine::spec::{BundleParams, Resources, WorkloadSpec, oci_config, write_bundle};
 
 #[derive(Parser)]
 struct Args {
@@ -272,7 +272,7 @@ async fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let swept = ramify_node_agent::sweep::sweep_orphans(PREFIX, "/ramify-bench").await;
+    let swept = ramify_engine::sweep::sweep_orphans(PREFIX, "/ramify-bench").await;
     if !swept.is_empty() {
         eprintln!("swept {} leftovers of earlier runs", swept.len());
     }
@@ -464,7 +464,7 @@ async fn plain_parallel_restore(
     let took = t.elapsed();
     for (p, sdir) in placed {
         kill_mentioning(&sdir.join("runsc-root").to_string_lossy()).await;
-        ramify_node_agent::cgroup::remove(&p.cgroups_path)?;
+        ramify_engine::cgroup::remove(&p.cgroups_path)?;
         placement.release(&p).await?;
         std::fs::remove_dir_all(&sdir)?;
     }
@@ -620,7 +620,7 @@ async fn run_inner(
 
 async fn claim_loop(
     engine: &Engine,
-    pool: &ramify_node_agent::WarmPool,
+    pool: &ramify_engine::WarmPool,
     claims: usize,
     quiet: bool,
     lat: &mut Vec<Duration>,

@@ -94,7 +94,7 @@ impl ImageStore {
         let dir = cache.join("images");
         for d in ["layers/sha256", "rootfs/sha256", "refs", "tmp"] {
             let p = dir.join(d);
-            crate::private::dir_all(&p)
+            ramify_engine::private::dir_all(&p)
                 .map_err(|e| ImageError::io(&p, std::io::Error::other(e.to_string())))?;
         }
         // Leftovers of a pull the agent did not finish.
@@ -199,7 +199,7 @@ impl ImageStore {
     ) -> Result<()> {
         let p = self.ref_path(namespace, reference, creds);
         if let Some(parent) = p.parent() {
-            crate::private::dir_all(parent)
+            ramify_engine::private::dir_all(parent)
                 .map_err(|e| ImageError::io(parent, std::io::Error::other(e.to_string())))?;
         }
         let rec = RefRecord {
@@ -207,7 +207,7 @@ impl ImageStore {
             digest: digest.into(),
         };
         let bytes = serde_json::to_vec(&rec).map_err(|e| ImageError::io(&p, e.into()))?;
-        crate::private::write_atomic(&p, &bytes)
+        ramify_engine::private::write_atomic(&p, &bytes)
             .map_err(|e| ImageError::io(&p, std::io::Error::other(e.to_string())))
     }
 

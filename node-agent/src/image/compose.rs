@@ -155,7 +155,7 @@ fn copy_file(
 /// read-only lower root (the boot fails with "error reading mounts file").
 pub const MOUNT_POINTS: &[&str] = &["proc", "sys", "dev", "tmp", "run/ramify"];
 
-/// File mount points (`crate::system_files`): created empty (0644) when the image lacks
+/// File mount points (`ramify_engine::system_files`): created empty (0644) when the image lacks
 /// them. One the image has as a symlink is left as it is (ramify's file is then not
 /// mounted there).
 pub const FILE_MOUNT_POINTS: &[&str] = &["etc/hosts", "etc/hostname", "etc/resolv.conf"];

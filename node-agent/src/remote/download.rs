@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tracing::{info, instrument, warn};
 
 use super::{RemoteError, RemoteStore, Result};
-use crate::store::{ImageFile, SnapshotMeta, SnapshotStore};
+use ramify_engine::store::{ImageFile, SnapshotMeta, SnapshotStore};
 
 /// The size of one ranged read of a blob.
 pub const RANGE_BYTES: u64 = 8 << 20;
@@ -80,7 +80,7 @@ impl RemoteStore {
                     .map(|b| b.stored_size)
                     .unwrap_or(0);
                 received += self.fetch_file(&key, f, stored, &img.join(&f.name)).await?;
-                crate::fault::hold(crate::fault::DOWNLOAD_PARTIAL).await;
+                ramify_engine::fault::hold(ramify_engine::fault::DOWNLOAD_PARTIAL).await;
             }
             let local = local.clone();
             let meta = meta.clone();

@@ -42,7 +42,7 @@ pub enum RemoteError {
     },
     /// The local snapshot store failed (reading an image, landing a download).
     #[error(transparent)]
-    Local(Box<crate::error::Error>),
+    Local(Box<ramify_engine::Error>),
     #[error("object store task: {0}")]
     Join(String),
 }
@@ -74,8 +74,8 @@ impl RemoteError {
     }
 }
 
-impl From<crate::error::Error> for RemoteError {
-    fn from(e: crate::error::Error) -> Self {
+impl From<ramify_engine::Error> for RemoteError {
+    fn from(e: ramify_engine::Error) -> Self {
         RemoteError::Local(Box::new(e))
     }
 }

@@ -1,5 +1,5 @@
 //! Snapshot images in an S3-compatible object store: the remote tier behind the local
-//! [`crate::store::SnapshotStore`]. A Snapshot is usable on its node as soon as it is
+//! [`ramify_engine::store::SnapshotStore`]. A Snapshot is usable on its node as soon as it is
 //! captured; its image is then copied here, and can be brought back to a node that
 //! lost it (or never had it).
 //!
@@ -37,7 +37,7 @@ pub use download::{DownloadReport, PARALLEL_RANGES, RANGE_BYTES};
 pub use error::RemoteError;
 pub use upload::UploadReport;
 
-use crate::store::SnapshotMeta;
+use ramify_engine::store::SnapshotMeta;
 
 pub type Result<T, E = RemoteError> = std::result::Result<T, E>;
 
@@ -379,7 +379,7 @@ fn parse_manifest(key: &Key, bytes: &[u8]) -> Result<Manifest> {
             return Err(bad(format!("no blob for file {}", f.name)));
         }
     }
-    if crate::store::image_digest(&m.image.files) != m.image.sha256 {
+    if ramify_engine::store::image_digest(&m.image.files) != m.image.sha256 {
         return Err(bad("its files do not give its image digest".into()));
     }
     Ok(m)

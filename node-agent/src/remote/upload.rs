@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, instrument};
 
 use super::{MANIFEST_FORMAT, Manifest, RemoteError, RemoteStore, Result, StoredBlob};
-use crate::store::{ImageFile, SnapshotStore};
+use ramify_engine::store::{ImageFile, SnapshotStore};
 
 /// zstd level: checkpoint images (mostly memory pages) compress well at a low level,
 /// and the node's cores belong to its sandboxes.
@@ -50,7 +50,7 @@ impl RemoteStore {
         let (meta, img) = {
             let local = local.clone();
             let id = id.to_string();
-            tokio::task::spawn_blocking(move || -> crate::error::Result<_> {
+            tokio::task::spawn_blocking(move || -> ramify_engine::Result<_> {
                 let meta = local.meta(&id)?;
                 local.verify(&id, &meta.runsc_version)
             })

@@ -5,9 +5,9 @@
 
 use object_store::ObjectStoreExt;
 use object_store::path::Path as Key;
+use ramify_engine::spec::{Resources, WorkloadSpec};
+use ramify_engine::store::{SnapshotMeta, SnapshotStore};
 use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
-use ramify_node_agent::spec::{Resources, WorkloadSpec};
-use ramify_node_agent::store::{SnapshotMeta, SnapshotStore};
 use sha2::{Digest, Sha256};
 
 pub const RUNSC: &str = "runsc version test";

@@ -16,12 +16,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use ramify_crds::ImagePullPolicy;
-use ramify_node_agent::engine::{Engine, ForkOptions, LocalSandbox, StartRequest};
+use ramify_engine::engine::{Engine, ForkOptions, LocalSandbox, StartRequest};
+use ramify_engine::placement::{Placement, PlacementRequest, Standalone};
+use ramify_engine::rootfs::RootfsSource;
+use ramify_engine::runsc::{NetworkMode, SandboxCtx};
+use ramify_engine::spec::{BundleParams, Resources, WorkloadSpec, oci_config, write_bundle};
 use ramify_node_agent::image::{Credentials, ImageRef, ImageStore, RegistryConfig};
-use ramify_node_agent::placement::{Placement, PlacementRequest, Standalone};
-use ramify_node_agent::rootfs::RootfsSource;
-use ramify_node_agent::runsc::{NetworkMode, SandboxCtx};
-use ramify_node_agent::spec::{BundleParams, Resources, WorkloadSpec, oci_config, write_bundle};
 
 fn sleeper() -> WorkloadSpec {
     WorkloadSpec {
@@ -125,7 +125,7 @@ async fn plain_run(
     let ran = engine.runsc().run(&ctx, &sdir.join("bundle")).await;
     let took = t.elapsed();
     super::kill_mentioning(&ctx.root.to_string_lossy()).await;
-    ramify_node_agent::cgroup::remove(&p.cgroups_path)?;
+    ramify_engine::cgroup::remove(&p.cgroups_path)?;
     placement.release(&p).await?;
     std::fs::remove_dir_all(&sdir)?;
     ran?;

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use ramify_node_agent::engine::{Engine, ForkOptions, LocalSandbox};
-use ramify_node_agent::placement::Standalone;
-use ramify_node_agent::runsc::{RestorePages, RunscConfig};
+use ramify_engine::engine::{Engine, ForkOptions, LocalSandbox};
+use ramify_engine::placement::Standalone;
+use ramify_engine::runsc::{RestorePages, RunscConfig};
 
 use super::{mib, ms, start_workload, workload};
 

@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use ramify_node_agent::engine::{Engine, EngineConfig, ForkOptions, LocalSandbox, StartRequest};
-use ramify_node_agent::placement::Standalone;
-use ramify_node_agent::platform;
-use ramify_node_agent::rootfs::RootfsSource;
-use ramify_node_agent::roots::RootfsConfig;
-use ramify_node_agent::runsc::{Platform, RunscConfig};
+use ramify_engine::engine::{Engine, EngineConfig, ForkOptions, LocalSandbox, StartRequest};
+use ramify_engine::placement::Standalone;
+use ramify_engine::platform;
+use ramify_engine::rootfs::RootfsSource;
+use ramify_engine::roots::RootfsConfig;
+use ramify_engine::runsc::{Platform, RunscConfig};
 
 /// What the branch runs, with a label for the table.
 const WORKLOADS: &[(&str, &str)] = &[

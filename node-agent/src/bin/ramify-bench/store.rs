@@ -13,11 +13,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use futures::StreamExt;
 use object_store::{ObjectStoreExt, WriteMultipart};
-use ramify_node_agent::StartRequest;
-use ramify_node_agent::engine::Engine;
+use ramify_engine::StartRequest;
+use ramify_engine::engine::Engine;
+use ramify_engine::rootfs::RootfsSource;
+use ramify_engine::store::{SnapshotMeta, SnapshotStore};
 use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
-use ramify_node_agent::rootfs::RootfsSource;
-use ramify_node_agent::store::{SnapshotMeta, SnapshotStore};
 
 fn env(name: &str) -> Result<String> {
     std::env::var(name).with_context(|| {

@@ -10,8 +10,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use ramify_node_agent::engine::{Engine, LocalSandbox};
-use ramify_node_agent::procfs::pids_mentioning;
+use ramify_engine::engine::{Engine, LocalSandbox};
+use ramify_engine::procfs::pids_mentioning;
 
 use super::{mib, ms, start};
 

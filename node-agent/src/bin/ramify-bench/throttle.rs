@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use ramify_node_agent::engine::{Engine, ForkOptions};
+use ramify_engine::engine::{Engine, ForkOptions};
 
 use super::{ms, start_workload, workload};
 
