@@ -56,6 +56,7 @@ step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-
 step "CRD YAML matches the Rust types" cargo run -q --locked -p ramify-crds --bin crdgen -- --check crds/yaml
 step "docs/api-reference.md matches the CRDs" cargo run -q --locked -p ramify-crds --bin crdgen -- --check-docs docs/api-reference.md
 step "docs: every relative link and anchor resolves" python3 hack/doc-links.py
+step "no two files of a crate import each other" python3 hack/import-cycles.py
 step "docs: every command block says whether the demo check runs it" python3 hack/doc-blocks.py check
 # A test binary reused from another clone of this tree (hack/lib/cargo-target.sh) must not
 # look for the repository where it was compiled: every path is found at run time.

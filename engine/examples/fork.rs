@@ -56,20 +56,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             egress_allow: vec![],
         })
         .await?;
-    engine
-        .exec_ok(&parent, &["sh", "-c", "echo 42 > /tmp/answer"])
-        .await?;
+    let write = ["sh", "-c", "echo 42 > /tmp/answer"];
+    engine.exec_ok(&parent, &write).await?;
     let snap = engine.snapshot(&mut parent, None).await?; // the parent runs on
-    let branches = engine
-        .fork(&snap.meta.id, 3, &ForkOptions::default())
-        .await?;
+    let opts = ForkOptions::default();
+    let branches = engine.fork(&snap.meta.id, 3, &opts).await?;
     for b in &branches {
         let out = engine.exec_ok(b, &["cat", "/tmp/answer"]).await?;
-        println!(
-            "{}: {}",
-            b.name,
-            String::from_utf8_lossy(&out.stdout).trim()
-        );
+        let answer = String::from_utf8_lossy(&out.stdout);
+        println!("{}: {}", b.name, answer.trim());
     }
     for sb in branches.into_iter().chain([parent]) {
         engine.destroy(sb).await?;

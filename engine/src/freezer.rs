@@ -10,7 +10,6 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use crate::cgroup;
-use crate::engine::LocalSandbox;
 use crate::error::{Error, Result};
 use crate::runsc::control::Control;
 use crate::runsc::{Runsc, SandboxCtx};
@@ -217,8 +216,15 @@ pub struct Look {
 }
 
 impl Look {
-    pub async fn begin(runsc: &Runsc, sb: &LocalSandbox) -> Result<Look> {
-        let dir = sb.dir.clone();
+    /// Begins a look into the sandbox of `ctx`, whose directory is `dir` and cgroup
+    /// `cgroups_path` (the engine's `Engine::look` for a `LocalSandbox`).
+    pub async fn begin(
+        runsc: &Runsc,
+        ctx: &SandboxCtx,
+        dir: &Path,
+        cgroups_path: &str,
+    ) -> Result<Look> {
+        let dir = dir.to_path_buf();
         let lock = {
             let dir = dir.clone();
             tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
@@ -226,19 +232,19 @@ impl Look {
                 .map_err(|e| Error::Join(e.to_string()))??
         };
         let was_paused = is_paused(&dir);
-        let depth = if is_frozen(sb.cgroups_path()) {
+        let depth = if is_frozen(cgroups_path) {
             Depth::Freeze
         } else {
             Depth::Pause
         };
         if was_paused {
-            resume(runsc, sb.ctx(), &dir, sb.cgroups_path()).await?;
+            resume(runsc, ctx, &dir, cgroups_path).await?;
         }
         Ok(Look {
             runsc: runsc.clone(),
-            ctx: sb.ctx().clone(),
+            ctx: ctx.clone(),
             dir,
-            cgroups_path: sb.cgroups_path().to_string(),
+            cgroups_path: cgroups_path.to_string(),
             was_paused,
             depth,
             _lock: Some(lock),

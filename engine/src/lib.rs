@@ -18,7 +18,6 @@
 //! - [`procfs`]: host processes from `/proc` (pids by command line, start times).
 
 pub mod cgroup;
-pub mod cleanup;
 pub mod cmd;
 pub mod control;
 pub mod diff;

@@ -15,8 +15,45 @@ use tracing::{info, warn};
 
 use crate::cmd::Cmd;
 use crate::error::{Error, Result};
-use crate::runsc::Platform;
 use crate::store::SnapshotMeta;
+
+/// gVisor platform. ptrace works everywhere; systrap needs a runsc from mid-2023 on;
+/// kvm needs /dev/kvm (hangs in nested VMs). `Auto` is resolved at start-up by a probe
+/// sandbox ([`resolve`]) and never reaches runsc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Platform {
+    #[default]
+    Auto,
+    Ptrace,
+    Kvm,
+    Systrap,
+}
+
+impl Platform {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Platform::Auto => "auto",
+            Platform::Ptrace => "ptrace",
+            Platform::Kvm => "kvm",
+            Platform::Systrap => "systrap",
+        }
+    }
+}
+
+impl std::str::FromStr for Platform {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Platform::Auto),
+            "ptrace" => Ok(Platform::Ptrace),
+            "kvm" => Ok(Platform::Kvm),
+            "systrap" => Ok(Platform::Systrap),
+            other => Err(Error::Invalid(format!(
+                "unknown platform {other:?}: auto, systrap, ptrace or kvm"
+            ))),
+        }
+    }
+}
 
 /// The platform sandboxes run on, what was asked for, and why this one.
 #[derive(Debug, Clone, PartialEq, Eq)]

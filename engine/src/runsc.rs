@@ -11,49 +11,13 @@ use tracing::{debug, instrument};
 
 use crate::cmd::{Cmd, Output};
 use crate::error::{Error, Result};
+pub use crate::platform::Platform;
 use crate::platform::PlatformDecision;
 
 pub mod control;
 pub mod restore_pages;
 pub use restore_pages::RestorePages;
 
-/// gVisor platform. ptrace works everywhere; systrap needs a runsc from mid-2023 on;
-/// kvm needs /dev/kvm (hangs in nested VMs). `Auto` is resolved at start-up by a probe
-/// sandbox ([`crate::platform::resolve`]) and never reaches runsc.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Platform {
-    #[default]
-    Auto,
-    Ptrace,
-    Kvm,
-    Systrap,
-}
-
-impl Platform {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Platform::Auto => "auto",
-            Platform::Ptrace => "ptrace",
-            Platform::Kvm => "kvm",
-            Platform::Systrap => "systrap",
-        }
-    }
-}
-
-impl std::str::FromStr for Platform {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(Platform::Auto),
-            "ptrace" => Ok(Platform::Ptrace),
-            "kvm" => Ok(Platform::Kvm),
-            "systrap" => Ok(Platform::Systrap),
-            other => Err(Error::Invalid(format!(
-                "unknown platform {other:?}: auto, systrap, ptrace or kvm"
-            ))),
-        }
-    }
-}
 
 /// How the root filesystem is kept private to a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

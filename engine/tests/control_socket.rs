@@ -162,7 +162,7 @@ async fn the_agents_pauses_go_through_the_control_socket_and_never_nest() {
 
     // A look into a paused sandbox resumes it for the exec and pauses it again.
     pause().await.unwrap();
-    let look = freezer::Look::begin(&runsc, &sb).await.unwrap();
+    let look = h.engine.look(&sb).await.unwrap();
     assert_eq!(h.sh(&sb, "echo seen").await.trim(), "seen");
     look.end().await.unwrap();
     assert_eq!(freezer::paused_by(&sb.dir), Some(Way::Control));

@@ -13,7 +13,6 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use ramify_crds::capacity::Requests;
 use ramify_crds::pod::Mode;
-use ramify_engine::freezer::Look;
 use ramify_engine::placement::{Placement, Standalone, StandaloneConfig};
 use ramify_engine::roots::RootfsConfig;
 use ramify_engine::runsc::{RestorePages, Runsc, RunscConfig};
@@ -654,7 +653,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             // `exec NAME -- CMD`: clap keeps the `--` in a trailing var-arg.
             let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
             // A decided branch is frozen: thawed for the look, frozen again after.
-            let look = Look::begin(engine.runsc(), &sb).await?;
+            let look = engine.look(&sb).await?;
             let out = engine
                 .exec_with(&sb, &command, &[], Duration::from_secs(600))
                 .await;
@@ -677,7 +676,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             paths,
         } => {
             let (engine, sb) = local(&cli.runsc, &cli.platform, &state.state_dir, &sandbox).await?;
-            let look = Look::begin(engine.runsc(), &sb).await?;
+            let look = engine.look(&sb).await?;
             let d = engine.diff_since_restore(&sb, &paths).await;
             look.end().await?;
             let d = d?;

@@ -1,40 +1,20 @@
 //! How the operator's controllers retry: per object, with exponential backoff, jitter
-//! and a cap ([`ramify_runtime::backoff`]); a permanent error (an invalid object, a
+//! and a cap ([`crate::retry`]'s policy); a permanent error (an invalid object, a
 //! missing one) is reported in the object's status (`Reconciled=False`) and an Event,
-//! and not retried until the object changes ([`ramify_runtime::settle`]).
+//! and not retried until the object changes ([`ramify_runtime::settle`]). These are
+//! the wrappers the controllers run in; the settler they use is the context's.
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kube::Resource;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
-use kube::runtime::events::Recorder;
-use ramify_crds::{CONDITION_RECONCILED, MANAGER_OPERATOR_ERRORS};
-use ramify_runtime::backoff::Policy;
-use ramify_runtime::failure::{Reportable, Reporter};
-use ramify_runtime::settle::Settler;
+use ramify_runtime::failure::Reportable;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-
-/// First retry after 100-200 ms, doubling up to 30 s.
-pub const POLICY: Policy = Policy {
-    base: Duration::from_millis(200),
-    cap: Duration::from_secs(30),
-};
-
-/// The operator's retry state and failure reporter.
-pub fn settler(recorder: Recorder) -> Settler {
-    let reporter = Reporter {
-        condition: CONDITION_RECONCILED,
-        manager: MANAGER_OPERATOR_ERRORS,
-        prefix: String::new(),
-    };
-    Settler::new(POLICY, reporter, recorder, "Reconcile")
-}
 
 /// The controllers' error policy: transient errors back off per object.
 pub fn error_policy<K>(
@@ -81,18 +61,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_operator_backs_off_exponentially_to_a_cap() {
-        // The first retry comes within 200 ms, the tenth waits 15-30 s, and no retry
-        // waits longer than 30 s (the old policy: 2 s for every failure).
-        assert!(POLICY.delay(1, 0.99) <= Duration::from_millis(200));
-        assert!(POLICY.delay(10, 0.0) >= Duration::from_secs(15));
-        for n in 1..100 {
-            assert!(POLICY.delay(n, 0.99) <= Duration::from_secs(30));
-            assert!(POLICY.delay(n + 1, 0.0) >= POLICY.delay(n, 0.0));
-        }
-    }
 
     #[test]
     fn permanent_errors_are_told_from_transient_ones() {

@@ -198,7 +198,7 @@ pub struct Context {
     /// Branches and snapshots created and not yet seen by the watch.
     pub expectations: crate::expectations::Expectations,
     /// Cluster mode: warm pool Pods adopted and not yet seen so by the Pod watch.
-    pub adopted: crate::warm_pods::Adopted,
+    pub adopted: crate::adopted::Adopted,
 }
 
 impl Context {
@@ -221,12 +221,12 @@ impl Context {
             cache,
             cache_writers: Mutex::new(Some(writers)),
             metrics,
-            settler: crate::backoff::settler(recorder.clone()),
+            settler: crate::retry::settler(recorder.clone()),
             recorder,
             settings,
             nodes: crate::nodes::NodeCache::default(),
             expectations: crate::expectations::Expectations::default(),
-            adopted: crate::warm_pods::Adopted::default(),
+            adopted: crate::adopted::Adopted::default(),
         }
     }
 

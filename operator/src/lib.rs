@@ -2,6 +2,7 @@
 //! agents, drives each BranchSet from snapshot to fork to verdict to commit, and
 //! enforces first-commit-wins. Node agents do the runsc work and report through status.
 
+pub mod adopted;
 pub mod backoff;
 pub mod branchset;
 pub mod capacity;
@@ -18,6 +19,7 @@ pub mod nodes;
 pub mod plan;
 pub mod pod;
 pub mod repod;
+pub mod retry;
 pub mod sandbox;
 pub mod self_fork;
 pub mod snapshot;

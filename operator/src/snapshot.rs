@@ -96,7 +96,7 @@ async fn reconcile_snapshot(snap: &Snapshot, ctx: &Context) -> Result<Action> {
 
     if status.phase == SnapshotPhase::Ready {
         // Cluster mode: its warm pool's Pods.
-        let pool = crate::warm_pods::keep(snap, ctx).await?;
+        let pool = crate::warm_pods::keep(snap, ctx, CONTROLLER).await?;
         if let (Some(ttl), Some(at)) = (snap.spec.ttl_seconds, status.captured_at.as_ref()) {
             let expires = at.0 + SignedDuration::from_secs(ttl);
             let now = Timestamp::now();

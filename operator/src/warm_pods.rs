@@ -36,40 +36,6 @@ const REFUSED_RETRY: Duration = Duration::from_secs(10);
 /// Pod of a free-looking name may exist unseen (another owner's, or not cached yet).
 /// Four times the largest pool, and some.
 const NAME_TRIES: u32 = 4 * 32 + 64;
-/// How long an adoption is remembered for the Pod watch to catch up with it.
-const ADOPTED_MEMORY: Duration = Duration::from_secs(600);
-
-/// Pool Pods adopted by this operator and perhaps not yet seen so by its Pod watch, by
-/// the adopting Sandbox's UID: a look at the branch before the watch catches up must
-/// bind it to the Pod it adopted, not adopt a second one.
-#[derive(Default)]
-pub struct Adopted {
-    by_sandbox: Mutex<HashMap<String, (Pod, Instant)>>,
-}
-
-impl Adopted {
-    fn record(&self, sandbox_uid: &str, pod: Pod) {
-        if let Ok(mut m) = self.by_sandbox.lock() {
-            m.retain(|_, (_, at)| at.elapsed() < ADOPTED_MEMORY);
-            m.insert(sandbox_uid.to_string(), (pod, Instant::now()));
-        }
-    }
-
-    fn of(&self, sandbox_uid: &str) -> Option<Pod> {
-        let m = self.by_sandbox.lock().ok()?;
-        m.get(sandbox_uid)
-            .filter(|(_, at)| at.elapsed() < ADOPTED_MEMORY)
-            .map(|(p, _)| p.clone())
-    }
-
-    fn taken(&self, pod_uid: &str) -> bool {
-        self.by_sandbox.lock().is_ok_and(|m| {
-            m.values()
-                .any(|(p, at)| at.elapsed() < ADOPTED_MEMORY && p.uid().as_deref() == Some(pod_uid))
-        })
-    }
-}
-
 /// The cached Pods of `ns` (ramify's: the Pod watch selects only those).
 pub(crate) fn pods_in(ctx: &Context, ns: &str) -> Vec<Pod> {
     ctx.cache
@@ -84,7 +50,12 @@ pub(crate) fn pods_in(ctx: &Context, ns: &str) -> Vec<Pod> {
 
 /// A Ready Snapshot in cluster mode: creates its missing pool Pods and deletes the
 /// extra ones (those without a ready branch first). Returns how soon to look again.
-pub async fn keep(snap: &Snapshot, ctx: &Context) -> Result<Option<Duration>> {
+/// Pods that cannot be made count as a failure of `controller` (the caller).
+pub async fn keep(
+    snap: &Snapshot,
+    ctx: &Context,
+    controller: &'static str,
+) -> Result<Option<Duration>> {
     if ctx.settings.mode != Mode::Cluster {
         return Ok(None);
     }
@@ -140,6 +111,7 @@ pub async fn keep(snap: &Snapshot, ctx: &Context) -> Result<Option<Duration>> {
     if pool.len() < want {
         let Some(source) = ctx.cache.sandbox(&ns, &snap.spec.source.sandbox) else {
             unavailable(
+                controller,
                 snap,
                 ctx,
                 format!(
@@ -175,7 +147,7 @@ pub async fn keep(snap: &Snapshot, ctx: &Context) -> Result<Option<Duration>> {
                 // Not in the cache: someone's, or ours and not seen yet. The next name.
                 Err(kube::Error::Api(e)) if e.code == 409 => {}
                 Err(kube::Error::Api(e)) if matches!(e.code, 400 | 403 | 422) => {
-                    unavailable(snap, ctx, e.message).await;
+                    unavailable(controller, snap, ctx, e.message).await;
                     return Ok(Some(REFUSED_RETRY));
                 }
                 Err(e) => return Err(e.into()),
@@ -187,11 +159,11 @@ pub async fn keep(snap: &Snapshot, ctx: &Context) -> Result<Option<Duration>> {
 
 /// A Warning Event on `snap`: its pool Pods cannot be made (never a silent fallback:
 /// its branches restore cold in Pods of their own meanwhile).
-async fn unavailable(snap: &Snapshot, ctx: &Context, why: String) {
+async fn unavailable(controller: &'static str, snap: &Snapshot, ctx: &Context, why: String) {
     ctx.metrics
         .failures
         .get_or_create(&crate::metrics::FailureLabels {
-            controller: crate::snapshot::CONTROLLER.into(),
+            controller: controller.into(),
             error: "warm_pool_unavailable".into(),
         })
         .inc();

@@ -15,6 +15,7 @@
 //! - `suspend`: checkpoint a sandbox to an image and stop it; restore it from there.
 
 mod billing;
+mod cleanup;
 mod commit;
 mod control_mount;
 mod fork;
@@ -27,6 +28,7 @@ mod teardown;
 mod unthrottled;
 mod warm_pool;
 
+pub use cleanup::{CleanupFailures, CleanupLabels};
 pub use commit::{CommitReport, PathsCommit};
 pub use control_mount::{CONTROL_QUOTA_BYTES, CONTROL_QUOTA_INODES};
 pub use fork::ForkOptions;
@@ -85,8 +87,8 @@ struct Inner {
     /// `restore` wrote or from `runsc state`: while that process lives, the sandbox
     /// runs (see [`Engine::is_running`]).
     sandbox_procs: Mutex<HashMap<String, (i32, u64)>>,
-    /// Cleanup steps that failed for good (see [`crate::cleanup`]).
-    cleanup_failures: crate::cleanup::CleanupFailures,
+    /// Cleanup steps that failed for good (see [`Engine::destroy_or_report`]).
+    cleanup_failures: CleanupFailures,
 }
 
 /// Cheap to clone; all clones share one engine.
@@ -156,7 +158,7 @@ impl Engine {
     }
 
     /// Cleanup failures by step and error category (the agent exports them).
-    pub fn cleanup_failures(&self) -> &crate::cleanup::CleanupFailures {
+    pub fn cleanup_failures(&self) -> &CleanupFailures {
         &self.inner.cleanup_failures
     }
 
@@ -292,6 +294,12 @@ impl Engine {
             .runsc
             .exec(&sb.ctx, argv, &all, None, timeout, tail)
             .await
+    }
+
+    /// A look into `sb` (an exec, a diff) that resumes it first if it is paused, and
+    /// pauses it again at [`crate::freezer::Look::end`].
+    pub async fn look(&self, sb: &LocalSandbox) -> Result<crate::freezer::Look> {
+        crate::freezer::Look::begin(self.runsc(), sb.ctx(), &sb.dir, sb.cgroups_path()).await
     }
 
     /// A `runsc exec` of `argv` in the sandbox with its workload's environment, not

@@ -35,6 +35,9 @@ use ramify_engine::fault;
 /// At most this many changed files are listed in a status (the count is always exact).
 const MAX_LISTED_FILES: usize = 256;
 
+/// How often the parent's node looks for a cross-node winner's shipped image.
+const SHIP_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// How an attempt to commit ended.
 pub(super) enum Applied {
     /// Applied; the parent's record as it is now, and what was promoted.
@@ -118,7 +121,7 @@ impl Agent {
                 // A cross-node winner (spec.placement): shipped here first.
                 match self.commit_shipped(bs, &parent_uid, &winner_obj).await? {
                     Some(a) => a,
-                    None => return Ok(Action::requeue(super::ship::SHIP_POLL)),
+                    None => return Ok(Action::requeue(SHIP_POLL)),
                 }
             } else {
                 self.apply_commit(bs, &parent_uid, &winner_obj).await?

@@ -209,7 +209,7 @@ impl State {
                     globs.push("/**".into());
                 }
                 // A decided branch is frozen: thawed for the look, frozen again after.
-                let look = match Look::begin(self.engine.runsc(), &sb).await {
+                let look = match self.engine.look(&sb).await {
                     Ok(l) => l,
                     Err(e) => return error_response(&e.into()),
                 };
@@ -249,7 +249,7 @@ impl State {
                         .await;
                     // A decided branch is frozen: thawed for the look (the whole exec),
                     // frozen again after.
-                    match Look::begin(&runsc, &sb).await {
+                    match Look::begin(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path()).await {
                         Ok(look) => {
                             run_exec(ws, cmd).await;
                             if let Err(e) = look.end().await {

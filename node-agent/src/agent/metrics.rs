@@ -122,7 +122,7 @@ impl AgentMetrics {
     }
 
     /// The agent's metrics, with the engine's `cleanup` failures among them.
-    pub fn new(runsc_version: &str, cleanup: &ramify_engine::cleanup::CleanupFailures) -> Self {
+    pub fn new(runsc_version: &str, cleanup: &ramify_engine::engine::CleanupFailures) -> Self {
         let mut r = Registry::with_prefix("ramify_node_agent");
         let buckets = || exponential_buckets(0.0001, 2.0, 20);
         let m = Self {
@@ -303,14 +303,21 @@ impl AgentMetrics {
         }
     }
 
-    /// A sandbox's latest usage figures.
-    pub fn set_sandbox_usage(&self, l: &SandboxLabels, f: &super::usage::Figures) {
+    /// A sandbox's latest usage figures: CPU in millicores, memory in bytes.
+    pub fn set_sandbox_usage(
+        &self,
+        l: &SandboxLabels,
+        cpu_millis: u64,
+        working_set: u64,
+        own: u64,
+        file_pages: u64,
+    ) {
         let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        self.sandbox_cpu.get_or_create(l).set(gauge(f.cpu_millis));
+        self.sandbox_cpu.get_or_create(l).set(gauge(cpu_millis));
         for (kind, v) in [
-            ("working_set", f.working_set),
-            ("own", f.own),
-            ("file", f.file_pages),
+            ("working_set", working_set),
+            ("own", own),
+            ("file", file_pages),
         ] {
             self.sandbox_memory
                 .get_or_create(&Self::memory_labels(l, kind))

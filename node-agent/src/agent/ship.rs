@@ -26,9 +26,6 @@ use crate::error::{EngineError, Error, Result};
 use ramify_engine::engine::LocalSandbox;
 use ramify_engine::freezer::Depth;
 
-/// How often the parent's node looks for the winner's shipped image.
-pub(super) const SHIP_POLL: Duration = Duration::from_millis(500);
-
 impl Agent {
     /// Whether a winner runs on another node than this one.
     pub(super) fn runs_elsewhere(&self, winner: &SandboxObj) -> bool {

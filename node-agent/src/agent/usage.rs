@@ -209,7 +209,13 @@ impl Agent {
         let before = t.before.replace((sample, at));
         let (prev, prev_at) = before?;
         let figures = Figures::between(&prev, &sample, at.duration_since(prev_at));
-        self.metrics.set_sandbox_usage(&labels, &figures);
+        self.metrics.set_sandbox_usage(
+            &labels,
+            figures.cpu_millis,
+            figures.working_set,
+            figures.own,
+            figures.file_pages,
+        );
         t.labels = Some(labels);
         let last = t.written.as_ref().map(|(f, w)| (f, at.duration_since(*w)));
         if !worth_writing(last, &figures, self.usage.write_every) {

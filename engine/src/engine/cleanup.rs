@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tracing::warn;
 
-use crate::engine::{Engine, LocalSandbox};
+use super::{Engine, LocalSandbox};
 use crate::error::Error;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
