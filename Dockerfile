@@ -15,6 +15,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY crds crds
 COPY engine engine
+COPY remote remote
 COPY runtime runtime
 COPY operator operator
 COPY node-agent node-agent

@@ -420,7 +420,7 @@ async fn a_suspended_sandbox_whose_image_is_gone_without_a_copy_fails_saying_so(
 }
 
 /// Waits until the object store no longer holds image `sha256` (dropped once resumed).
-async fn store_drops(remote: &ramify_node_agent::remote::RemoteStore, sha256: &str) {
+async fn store_drops(remote: &ramify_remote::RemoteStore, sha256: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while remote.has_image(sha256).await.unwrap() {
         assert!(

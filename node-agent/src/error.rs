@@ -17,10 +17,10 @@ pub enum Error {
     /// Pulling or unpacking a Sandbox's `spec.image` (see [`crate::image`]).
     #[error(transparent)]
     Image(#[from] crate::image::ImageError),
-    /// The object store tier (see [`crate::remote`]): a store that is down is retried,
+    /// The object store tier ([`ramify_remote`]): a store that is down is retried,
     /// a corrupt remote object is refused for good (`corrupt_image`).
     #[error(transparent)]
-    Remote(#[from] crate::remote::RemoteError),
+    Remote(#[from] ramify_remote::RemoteError),
     /// A guarded status write lost to another writer (409); re-read and retried.
     #[error("conflict writing {0}: another writer was first")]
     Conflict(String),
@@ -52,6 +52,7 @@ impl Error {
         match self {
             Error::Engine(e) => e.is_permanent(),
             Error::Image(e) => e.is_permanent(),
+            Error::Remote(e) => e.is_permanent(),
             _ => ramify_runtime::backoff::is_permanent(self.category()),
         }
     }
@@ -124,6 +125,19 @@ mod tests {
             },
         ];
         for e in engine {
+            assert_eq!(
+                e.is_permanent(),
+                ramify_runtime::backoff::is_permanent(e.category()),
+                "{e:?}"
+            );
+        }
+        // The object store tier's, likewise.
+        for e in [
+            ramify_remote::RemoteError::Config("c".into()),
+            ramify_remote::RemoteError::Join("j".into()),
+            ramify_remote::RemoteError::Local(Box::new(EngineError::Invalid("i".into()))),
+            ramify_remote::RemoteError::Local(Box::new(EngineError::NotYet("n".into()))),
+        ] {
             assert_eq!(
                 e.is_permanent(),
                 ramify_runtime::backoff::is_permanent(e.category()),

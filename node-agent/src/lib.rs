@@ -8,7 +8,6 @@
 //! - [`capacity`]: the sandbox allocatable, its ceiling cgroup, fair admission gates.
 //! - [`exit_reason`]: why a sandbox ended, as its status says it.
 //! - [`image`]: OCI images pulled into a root filesystem.
-//! - [`remote`]: the object store tier for snapshot images.
 //! - [`settings`]: the agent's persisted settings (its mode).
 
 pub mod agent;
@@ -18,7 +17,6 @@ pub mod error;
 pub mod exit_reason;
 pub mod image;
 pub mod pod_files;
-pub mod remote;
 pub mod settings;
 
 pub use error::{Error, Result};

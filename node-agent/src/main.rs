@@ -109,8 +109,8 @@ struct ObjectStoreArgs {
 }
 
 impl ObjectStoreArgs {
-    fn remote(&self) -> anyhow::Result<Option<ramify_node_agent::remote::RemoteStore>> {
-        use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
+    fn remote(&self) -> anyhow::Result<Option<ramify_remote::RemoteStore>> {
+        use ramify_remote::{Credentials, RemoteConfig, RemoteStore};
         let (Some(endpoint), Some(bucket)) =
             (&self.object_store_endpoint, &self.object_store_bucket)
         else {

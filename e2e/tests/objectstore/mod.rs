@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use object_store::ObjectStoreExt;
-use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
+use ramify_remote::{Credentials, RemoteConfig, RemoteStore};
 
 fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| {

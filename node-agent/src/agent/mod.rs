@@ -94,7 +94,7 @@ pub struct AgentConfig {
     /// Bytes the snapshot images of this node may add up to (0: no quota).
     pub snapshot_store_quota: u64,
     /// The cluster's object store for snapshot images; None: images stay local.
-    pub remote: Option<crate::remote::RemoteStore>,
+    pub remote: Option<ramify_remote::RemoteStore>,
     /// How often each sandbox's usage is sampled (zero: never).
     pub usage_interval: Duration,
     /// The least time between two `status.usage` writes of one sandbox.

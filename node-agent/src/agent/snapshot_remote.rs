@@ -21,7 +21,7 @@ use tracing::{info, warn};
 use super::registry::SnapshotRecord;
 use super::{Agent, now, writes};
 use crate::error::{EngineError, Error, Result};
-use crate::remote::RemoteStore;
+use ramify_remote::RemoteStore;
 use ramify_engine::store::SnapshotStore;
 
 /// First and longest wait between upload attempts of one Snapshot.

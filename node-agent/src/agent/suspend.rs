@@ -263,9 +263,9 @@ impl Agent {
     /// Uploads suspended image `image` to the object store, counting the transfer.
     pub(super) async fn upload_suspended(
         &self,
-        remote: &crate::remote::RemoteStore,
+        remote: &ramify_remote::RemoteStore,
         image: &str,
-    ) -> Result<crate::remote::UploadReport> {
+    ) -> Result<ramify_remote::UploadReport> {
         let t0 = std::time::Instant::now();
         let r = remote.upload(self.engine.store(), image).await?;
         self.metrics.transferred(
@@ -303,7 +303,7 @@ impl Agent {
     pub(super) async fn download_image(
         &self,
         obj: &SandboxObj,
-        remote: &crate::remote::RemoteStore,
+        remote: &ramify_remote::RemoteStore,
         image: &str,
         sha256: &str,
     ) -> Result<()> {

@@ -17,7 +17,7 @@ use ramify_engine::StartRequest;
 use ramify_engine::engine::Engine;
 use ramify_engine::rootfs::RootfsSource;
 use ramify_engine::store::{SnapshotMeta, SnapshotStore};
-use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
+use ramify_remote::{Credentials, RemoteConfig, RemoteStore};
 
 fn env(name: &str) -> Result<String> {
     std::env::var(name).with_context(|| {
@@ -153,8 +153,8 @@ async fn measure(
         "| {:<58} | {:>24} |",
         format!(
             "  the same, one {} MiB range at a time (not {})",
-            ramify_node_agent::remote::RANGE_BYTES >> 20,
-            ramify_node_agent::remote::PARALLEL_RANGES
+            ramify_remote::RANGE_BYTES >> 20,
+            ramify_remote::PARALLEL_RANGES
         ),
         rate(size, download_one_range)
     );

@@ -9,7 +9,7 @@ mod common_s3;
 use common_s3::*;
 use object_store::ObjectStoreExt;
 use ramify_engine::store::SnapshotStore;
-use ramify_node_agent::remote::RemoteError;
+use ramify_remote::RemoteError;
 
 #[tokio::test]
 async fn upload_is_verified_deduplicated_and_downloads_into_a_store() {
@@ -144,11 +144,7 @@ async fn a_corrupted_remote_blob_is_refused_and_nothing_is_restored() {
         other => panic!("expected a corrupt blob refused, got {other}"),
     }
     assert_eq!(e.category(), "corrupt_image");
-    let as_agent: ramify_node_agent::Error = e.into();
-    assert!(
-        as_agent.is_permanent(),
-        "a corrupt object is never retried: {as_agent}"
-    );
+    assert!(e.is_permanent(), "a corrupt object is never retried: {e}");
     // Nothing of it landed: no image, no directory left behind.
     assert!(there.meta("img-c").is_err());
     assert!(there.list().unwrap().is_empty());
@@ -189,7 +185,7 @@ async fn a_corrupted_remote_blob_is_refused_and_nothing_is_restored() {
 
 #[tokio::test]
 async fn a_large_blob_read_in_parallel_ranges_lands_whole_and_a_corrupt_range_is_refused() {
-    use ramify_node_agent::remote::RANGE_BYTES;
+    use ramify_remote::RANGE_BYTES;
     let remote = remote_store();
     let src = tempfile::tempdir().unwrap();
     let local = SnapshotStore::open(src.path()).unwrap();
@@ -235,11 +231,11 @@ async fn a_large_blob_read_in_parallel_ranges_lands_whole_and_a_corrupt_range_is
 #[tokio::test]
 async fn wrong_credentials_are_refused_by_the_store() {
     let mut cfg = remote_config();
-    cfg.credentials = Some(ramify_node_agent::remote::Credentials::new(
+    cfg.credentials = Some(ramify_remote::Credentials::new(
         cfg.credentials.as_ref().unwrap().access_key_id.clone(),
         "not-the-secret",
     ));
-    let remote = ramify_node_agent::remote::RemoteStore::new(&cfg).unwrap();
+    let remote = ramify_remote::RemoteStore::new(&cfg).unwrap();
     let e = remote.has_image(&"0".repeat(64)).await.unwrap_err();
     assert!(matches!(e, RemoteError::Store { .. }), "{e}");
     assert_eq!(e.category(), "object_store");

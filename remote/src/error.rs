@@ -48,7 +48,7 @@ pub enum RemoteError {
 }
 
 impl RemoteError {
-    /// A short, stable label (see [`crate::error::Error::category`]). A corrupt remote
+    /// A short, stable label (the node agent's `failures{error}`). A corrupt remote
     /// object shares `corrupt_image` with a corrupt local one: permanent either way.
     pub fn category(&self) -> &'static str {
         match self {
@@ -60,6 +60,16 @@ impl RemoteError {
             RemoteError::Io { .. } => "io",
             RemoteError::Local(e) => e.category(),
         }
+    }
+
+    /// Whether no retry can fix it, by its category: a corrupt or missing object, a
+    /// wrong configuration, a local image that cannot be used. A store that is down is
+    /// retried. (The node agent's retry policy agrees: its tests check it.)
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self.category(),
+            "corrupt_image" | "not_found" | "invalid" | "unsupported" | "version_mismatch" | "image_lost"
+        )
     }
 
     pub(crate) fn store(

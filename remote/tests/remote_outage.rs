@@ -72,8 +72,7 @@ async fn the_store_killed_mid_upload_then_the_upload_resumes() {
         "object_store",
         "a store that is down is retryable: {e}"
     );
-    let as_agent: ramify_node_agent::Error = e.into();
-    assert!(!as_agent.is_permanent());
+    assert!(!e.is_permanent());
     // The local image is untouched and still restorable.
     local.verify("img-outage", RUNSC).unwrap();
 

@@ -7,7 +7,7 @@ use object_store::ObjectStoreExt;
 use object_store::path::Path as Key;
 use ramify_engine::spec::{Resources, WorkloadSpec};
 use ramify_engine::store::{SnapshotMeta, SnapshotStore};
-use ramify_node_agent::remote::{Credentials, RemoteConfig, RemoteStore};
+use ramify_remote::{Credentials, RemoteConfig, RemoteStore};
 use sha2::{Digest, Sha256};
 
 pub const RUNSC: &str = "runsc version test";
