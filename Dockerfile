@@ -16,6 +16,7 @@ COPY Cargo.toml Cargo.lock ./
 COPY crds crds
 COPY engine engine
 COPY remote remote
+COPY image image
 COPY runtime runtime
 COPY operator operator
 COPY node-agent node-agent

@@ -982,14 +982,11 @@ spec:
         curl(&url).as_deref() == Some("workspace")
     })
     .await;
-    let parent_uid = bed
-        .sys
-        .sandboxes()
-        .get("workspace")
-        .await
-        .unwrap()
-        .metadata
-        .uid;
+    let parent = bed.sys.sandboxes().get("workspace").await.unwrap();
+    let parent_uid = parent.metadata.uid;
+    // The Pod the parent runs in now: the nested Full commit above moved it into the
+    // inner winner's, so it is not named after the parent.
+    let old_pod = parent.status.unwrap().pod.expect("status.pod").name;
     bed.sys.apply(
         r#"apiVersion: ramify.dev/v1alpha1
 kind: BranchSet
@@ -1021,7 +1018,7 @@ spec:
         "the parent's old Pod and the loser's are gone",
         120,
         async || {
-            bed.pods().get_opt("workspace").await.unwrap().is_none()
+            bed.pods().get_opt(&old_pod).await.unwrap().is_none()
                 && bed.pods().get_opt("whole-one").await.unwrap().is_none()
         },
     )

@@ -14,9 +14,9 @@ pub enum Error {
     Engine(#[from] EngineError),
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
-    /// Pulling or unpacking a Sandbox's `spec.image` (see [`crate::image`]).
+    /// Pulling or unpacking a Sandbox's `spec.image` (see [`ramify_image`]).
     #[error(transparent)]
-    Image(#[from] crate::image::ImageError),
+    Image(#[from] ramify_image::ImageError),
     /// The object store tier ([`ramify_remote`]): a store that is down is retried,
     /// a corrupt remote object is refused for good (`corrupt_image`).
     #[error(transparent)]

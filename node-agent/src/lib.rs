@@ -7,7 +7,6 @@
 //!   cgroup ([`pod_files`] for the files shared with `ramify-pod`).
 //! - [`capacity`]: the sandbox allocatable, its ceiling cgroup, fair admission gates.
 //! - [`exit_reason`]: why a sandbox ended, as its status says it.
-//! - [`image`]: OCI images pulled into a root filesystem.
 //! - [`settings`]: the agent's persisted settings (its mode).
 
 pub mod agent;
@@ -15,7 +14,6 @@ pub mod capacity;
 pub mod cluster_placement;
 pub mod error;
 pub mod exit_reason;
-pub mod image;
 pub mod pod_files;
 pub mod settings;
 

@@ -626,7 +626,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     system_namespace,
                     allocatable,
                     max_restores,
-                    registries: ramify_node_agent::image::RegistryConfig {
+                    registries: ramify_image::RegistryConfig {
                         insecure: registries.insecure,
                     },
                     snapshot_store_quota,

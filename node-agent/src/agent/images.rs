@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 use super::Agent;
 use crate::error::{EngineError, Error, Result};
-use crate::image::{
+use ramify_image::{
     Credentials, ImageError, ImageRef, ImageStore, PulledImage, credentials_for, default_policy,
 };
 use ramify_engine::spec::WorkloadSpec;
@@ -212,7 +212,7 @@ impl Agent {
     }
 
     /// One GC pass of the image cache.
-    pub async fn image_gc(&self, grace: Duration) -> Result<crate::image::gc::GcReport> {
+    pub async fn image_gc(&self, grace: Duration) -> Result<ramify_image::gc::GcReport> {
         let store = self.images()?;
         let used = self.images_in_use(store).await?;
         Ok(store.gc(&used, grace).await?)
@@ -268,7 +268,7 @@ pub fn workload_with_image(
     if obj.spec.working_dir.is_none() && c.working_dir.starts_with('/') {
         w.cwd = c.working_dir.clone();
     }
-    let (uid, gid) = crate::image::config::resolve_user(&c.user, &p.rootfs).map_err(|why| {
+    let (uid, gid) = ramify_image::config::resolve_user(&c.user, &p.rootfs).map_err(|why| {
         ImageError::Refused {
             reference: p.pinned.clone(),
             why,

@@ -90,7 +90,7 @@ pub struct AgentConfig {
     /// Restores (and fresh starts) run at once.
     pub max_restores: usize,
     /// Which registries `spec.image` pulls speak plain HTTP to.
-    pub registries: crate::image::RegistryConfig,
+    pub registries: ramify_image::RegistryConfig,
     /// Bytes the snapshot images of this node may add up to (0: no quota).
     pub snapshot_store_quota: u64,
     /// The cluster's object store for snapshot images; None: images stay local.
@@ -142,7 +142,7 @@ pub struct Agent {
     /// (naming this node).
     settler: ramify_runtime::settle::Settler,
     /// The image cache (`spec.image`), opened on first use.
-    images: std::sync::OnceLock<Arc<crate::image::ImageStore>>,
+    images: std::sync::OnceLock<Arc<ramify_image::ImageStore>>,
     /// Wakes the image cache's GC (a sandbox or snapshot went).
     image_gc_kick: tokio::sync::Notify,
     /// Wakes the sweep of fetched snapshot images (a branch restored from one went).

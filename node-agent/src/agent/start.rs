@@ -250,7 +250,7 @@ impl Agent {
     pub(super) async fn fresh_source(
         &self,
         obj: &SandboxObj,
-    ) -> Result<(String, RootfsSource, Option<crate::image::PulledImage>)> {
+    ) -> Result<(String, RootfsSource, Option<ramify_image::PulledImage>)> {
         match (&obj.spec.rootfs, &obj.spec.image) {
             (Some(r), _) => rootfs_class::source_of(&self.client, r)
                 .await

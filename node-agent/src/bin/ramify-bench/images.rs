@@ -21,7 +21,7 @@ use ramify_engine::placement::{Placement, PlacementRequest, Standalone};
 use ramify_engine::rootfs::RootfsSource;
 use ramify_engine::runsc::{NetworkMode, SandboxCtx};
 use ramify_engine::spec::{BundleParams, Resources, WorkloadSpec, oci_config, write_bundle};
-use ramify_node_agent::image::{Credentials, ImageRef, ImageStore, RegistryConfig};
+use ramify_image::{Credentials, ImageRef, ImageStore, RegistryConfig};
 
 fn sleeper() -> WorkloadSpec {
     WorkloadSpec {

@@ -33,7 +33,7 @@ pub use config::ImageDefaults;
 pub use pull::RegistryConfig;
 pub use reference::{ImageRef, default_policy};
 
-/// What can go wrong with an image. Kept apart from [`crate::error::Error`] so the
+/// What can go wrong with an image. Kept apart from the engine's errors so the
 /// agent can tell a registry's refusal (retried with backoff) from a hostile image
 /// (refused for good) and say which in Kubernetes' words.
 #[derive(Debug, thiserror::Error)]
