@@ -18,7 +18,6 @@ pub mod control;
 pub mod restore_pages;
 pub use restore_pages::RestorePages;
 
-
 /// How the root filesystem is kept private to a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OverlayFlag {

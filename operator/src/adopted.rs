@@ -42,3 +42,25 @@ impl Adopted {
         })
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(uid: &str) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "p", "uid": uid}})).unwrap()
+    }
+
+    #[test]
+    fn an_adoption_is_remembered_for_its_sandbox_and_its_pod() {
+        let a = Adopted::default();
+        assert!(a.of("s1").is_none() && !a.taken("p1"));
+        a.record("s1", pod("p1"));
+        assert_eq!(a.of("s1").unwrap().uid().as_deref(), Some("p1"));
+        assert!(a.taken("p1"));
+        assert!(!a.taken("p2"));
+        assert!(a.of("s2").is_none());
+    }
+}

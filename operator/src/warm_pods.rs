@@ -9,9 +9,8 @@
 //! own; the agent then thaws the branch already living in it. The pool refills with new
 //! Pods.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::collections::BTreeSet;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -262,25 +261,4 @@ pub async fn adopt(sbx: &Sandbox, ctx: &Context, pinned: Option<&str>) -> Result
 /// A write on a Pod that is gone (404) or changed meanwhile (409).
 fn gone_or_changed(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 404 || s.code == 409)
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    fn pod(uid: &str) -> Pod {
-        serde_json::from_value(json!({"metadata": {"name": "p", "uid": uid}})).unwrap()
-    }
-
-    #[test]
-    fn an_adoption_is_remembered_for_its_sandbox_and_its_pod() {
-        let a = Adopted::default();
-        assert!(a.of("s1").is_none() && !a.taken("p1"));
-        a.record("s1", pod("p1"));
-        assert_eq!(a.of("s1").unwrap().uid().as_deref(), Some("p1"));
-        assert!(a.taken("p1"));
-        assert!(!a.taken("p2"));
-        assert!(a.of("s2").is_none());
-    }
 }

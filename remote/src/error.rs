@@ -68,7 +68,12 @@ impl RemoteError {
     pub fn is_permanent(&self) -> bool {
         matches!(
             self.category(),
-            "corrupt_image" | "not_found" | "invalid" | "unsupported" | "version_mismatch" | "image_lost"
+            "corrupt_image"
+                | "not_found"
+                | "invalid"
+                | "unsupported"
+                | "version_mismatch"
+                | "image_lost"
         )
     }
 

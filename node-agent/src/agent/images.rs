@@ -18,10 +18,10 @@ use tracing::{info, warn};
 
 use super::Agent;
 use crate::error::{EngineError, Error, Result};
+use ramify_engine::spec::WorkloadSpec;
 use ramify_image::{
     Credentials, ImageError, ImageRef, ImageStore, PulledImage, credentials_for, default_policy,
 };
-use ramify_engine::spec::WorkloadSpec;
 
 /// How often unused images and layers are looked for (also after every deletion).
 pub const IMAGE_GC_INTERVAL: Duration = Duration::from_secs(300);

@@ -11,7 +11,7 @@
 //!   first-commit-wins guard, the crash-safe record, the old parent destroyed. The
 //!   restored copy that does not commit (refused, failed) is destroyed at once.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};

@@ -21,8 +21,8 @@ use tracing::{info, warn};
 use super::registry::SnapshotRecord;
 use super::{Agent, now, writes};
 use crate::error::{EngineError, Error, Result};
-use ramify_remote::RemoteStore;
 use ramify_engine::store::SnapshotStore;
+use ramify_remote::RemoteStore;
 
 /// First and longest wait between upload attempts of one Snapshot.
 const FIRST_RETRY: Duration = Duration::from_secs(1);
