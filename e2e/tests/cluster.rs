@@ -486,8 +486,12 @@ async fn a_sandbox_is_a_pod_placed_by_the_scheduler() {
         st.phase.as_deref() == Some("Running") && !listener_ip.is_empty()
     })
     .await;
-    // The node's own pods reach it (so a refusal below is the sandbox's policy).
-    assert_eq!(curl_nc(&listener_ip), Some("reached".into()));
+    // The node's own pods reach it (so a refusal below is the sandbox's policy). The
+    // Pod runs before its `nc` listens: asked until it answers.
+    bed.until("the node reaches the listener Pod", 30, async || {
+        curl_nc(&listener_ip).as_deref() == Some("reached")
+    })
+    .await;
     // The kubelet listens on the node IP (hack/node/up.sh: the plane's port base + 10).
     let base: u16 = std::env::var("RAMIFY_CP_PORT_BASE")
         .ok()
