@@ -194,7 +194,12 @@ impl Agent {
         );
         let admission = admission::Admission::new(cfg.allocatable, cfg.max_restores);
         let settler = backoff::settler(&cfg.node, recorder.clone());
-        let usage = usage::Usage::new(cfg.usage_interval, cfg.usage_write_every);
+        let usage = usage::Usage::new(
+            client.clone(),
+            metrics.clone(),
+            cfg.usage_interval,
+            cfg.usage_write_every,
+        );
         Self {
             client,
             engine,
@@ -265,7 +270,7 @@ impl Agent {
 
     fn take_handle(&self, uid: &str) -> Option<Handle> {
         self.place(uid, None);
-        self.usage.forget(uid, &self.metrics);
+        self.usage.forget(uid);
         let mut m = self.handles.lock().ok()?;
         let h = m.remove(uid);
         self.metrics

@@ -17,6 +17,9 @@ use ramify_crds::{MANAGER_AGENT_USAGE, Sandbox as SandboxObj, SandboxPhase};
 use serde::Serialize;
 use tracing::{debug, instrument};
 
+use kube::Client;
+
+use super::metrics::AgentMetrics;
 use super::{Agent, now, writes};
 use ramify_engine::cgroup::UsageSample;
 
@@ -83,11 +86,24 @@ struct Tracked {
     written: Option<(Figures, Instant)>,
 }
 
-/// The reporter's own state: the sandboxes it samples.
+/// The usage reporter: its own state (the sandboxes it samples, what it last wrote)
+/// and what it writes with (the API client, the gauges). The agent hands it, each
+/// round, the sandboxes it holds ([`Held`]); nothing else of the agent is seen here.
 pub struct Usage {
+    client: Client,
+    metrics: AgentMetrics,
     interval: Duration,
     write_every: Duration,
     tracked: Mutex<HashMap<String, Tracked>>,
+}
+
+/// A sandbox the agent holds, as a usage round sees it.
+pub struct Held {
+    pub uid: String,
+    pub obj: Arc<SandboxObj>,
+    /// Its cgroup, when its handle could be read without waiting (a branch run holds
+    /// the lock for long: then the path last seen serves).
+    pub cgroups_path: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -98,75 +114,44 @@ struct UsageStatus {
 }
 
 impl Usage {
-    pub fn new(interval: Duration, write_every: Duration) -> Self {
+    pub fn new(
+        client: Client,
+        metrics: AgentMetrics,
+        interval: Duration,
+        write_every: Duration,
+    ) -> Self {
         Self {
+            client,
+            metrics,
             interval,
             write_every,
             tracked: Mutex::new(HashMap::new()),
         }
     }
 
+    /// How often a round runs (zero: never).
+    pub fn interval(&self) -> Duration {
+        self.interval
+    }
+
     /// Forgets sandbox `uid` (gone from the node) and removes its gauges.
-    pub fn forget(&self, uid: &str, metrics: &super::metrics::AgentMetrics) {
+    pub fn forget(&self, uid: &str) {
         let gone = self.tracked.lock().ok().and_then(|mut m| m.remove(uid));
         if let Some(labels) = gone.and_then(|t| t.labels) {
-            metrics.forget_sandbox_usage(&labels);
-        }
-    }
-}
-
-impl Agent {
-    /// Samples every held sandbox each `--usage-interval` (0: never).
-    pub(super) async fn report_usage(self: Arc<Self>) {
-        if self.usage.interval.is_zero() {
-            return;
-        }
-        loop {
-            tokio::time::sleep(self.usage.interval).await;
-            self.usage_round().await;
+            self.metrics.forget_sandbox_usage(&labels);
         }
     }
 
-    #[instrument(skip(self), level = "debug")]
-    async fn usage_round(&self) {
-        let held: Vec<(String, super::Handle)> = match self.handles.lock() {
-            Ok(m) => m.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            Err(_) => return,
-        };
-        let objects = self.held_objects();
-        for (uid, handle) in held {
-            // A branch run holds its sandbox's lock for long: then the path last seen
-            // serves (a sandbox's cgroup changes only when a Full commit swaps it in).
-            let path = handle
-                .try_lock()
-                .ok()
-                .and_then(|g| g.as_ref().map(|sb| sb.cgroups_path().to_string()));
-            let Some(obj) = objects.get(&uid) else {
-                continue;
-            };
-            let running = obj.status.as_ref().map(|s| s.phase) == Some(SandboxPhase::Running);
-            if let Some(write) = self.usage_of(&uid, obj, path, running) {
-                self.write_usage(obj, write).await;
+    /// One round: samples each sandbox, sets its gauges, writes the status that is
+    /// worth writing.
+    #[instrument(skip_all, level = "debug")]
+    pub async fn round(&self, held: Vec<Held>) {
+        for h in held {
+            let running = h.obj.status.as_ref().map(|s| s.phase) == Some(SandboxPhase::Running);
+            if let Some(write) = self.usage_of(&h.uid, &h.obj, h.cgroups_path, running) {
+                self.write_usage(&h.obj, write).await;
             }
         }
-    }
-
-    /// The Sandbox objects this node holds, by uid (bound or pinned here).
-    fn held_objects(&self) -> HashMap<String, Arc<SandboxObj>> {
-        let mut out = HashMap::new();
-        let Some(cache) = self.cache.get() else {
-            return out;
-        };
-        for store in [&cache.bound, &cache.pinned] {
-            for guard in store.state() {
-                if let Ok(obj) = &guard.0
-                    && let Some(uid) = obj.uid()
-                {
-                    out.insert(uid, Arc::new(obj.clone()));
-                }
-            }
-        }
-        out
     }
 
     /// Samples one sandbox, sets its gauges; returns the status to write, if any
@@ -178,7 +163,7 @@ impl Agent {
         path: Option<String>,
         running: bool,
     ) -> Option<Option<SandboxUsage>> {
-        let mut map = self.usage.tracked.lock().ok()?;
+        let mut map = self.tracked.lock().ok()?;
         let t = map.entry(uid.to_string()).or_default();
         if let Some(p) = path {
             if p != t.cgroups_path {
@@ -218,7 +203,7 @@ impl Agent {
         );
         t.labels = Some(labels);
         let last = t.written.as_ref().map(|(f, w)| (f, at.duration_since(*w)));
-        if !worth_writing(last, &figures, self.usage.write_every) {
+        if !worth_writing(last, &figures, self.write_every) {
             return None;
         }
         t.written = Some((figures, at));
@@ -235,12 +220,68 @@ impl Agent {
             // The next round writes again (what was written is forgotten).
             debug!(sandbox = %obj.name_any(), error = %e, "usage write failed");
             if let Some(uid) = obj.uid()
-                && let Ok(mut m) = self.usage.tracked.lock()
+                && let Ok(mut m) = self.tracked.lock()
                 && let Some(t) = m.get_mut(&uid)
             {
                 t.written = None;
             }
         }
+    }
+}
+
+impl Agent {
+    /// Samples every held sandbox each `--usage-interval` (0: never).
+    pub(super) async fn report_usage(self: Arc<Self>) {
+        if self.usage.interval().is_zero() {
+            return;
+        }
+        loop {
+            tokio::time::sleep(self.usage.interval()).await;
+            let held = self.held_for_usage();
+            self.usage.round(held).await;
+        }
+    }
+
+    /// The sandboxes this node holds, with their objects.
+    fn held_for_usage(&self) -> Vec<Held> {
+        let handles: Vec<(String, super::Handle)> = match self.handles.lock() {
+            Ok(m) => m.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            Err(_) => return Vec::new(),
+        };
+        let mut objects = self.held_objects();
+        handles
+            .into_iter()
+            .filter_map(|(uid, handle)| {
+                let cgroups_path = handle
+                    .try_lock()
+                    .ok()
+                    .and_then(|g| g.as_ref().map(|sb| sb.cgroups_path().to_string()));
+                let obj = objects.remove(&uid)?;
+                Some(Held {
+                    uid,
+                    obj,
+                    cgroups_path,
+                })
+            })
+            .collect()
+    }
+
+    /// The Sandbox objects this node holds, by uid (bound or pinned here).
+    fn held_objects(&self) -> HashMap<String, Arc<SandboxObj>> {
+        let mut out = HashMap::new();
+        let Some(cache) = self.cache.get() else {
+            return out;
+        };
+        for store in [&cache.bound, &cache.pinned] {
+            for guard in store.state() {
+                if let Ok(obj) = &guard.0
+                    && let Some(uid) = obj.uid()
+                {
+                    out.insert(uid, Arc::new(obj.clone()));
+                }
+            }
+        }
+        out
     }
 }
 
