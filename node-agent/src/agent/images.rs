@@ -3,12 +3,12 @@
 //! image a snapshot pins for its restores, and the cache's garbage collection.
 
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
-use kube::ResourceExt;
 use kube::api::Api;
+use kube::{Client, ResourceExt};
 use ramify_crds::{
     REASON_ERR_IMAGE_PULL, REASON_IMAGE_PULL_BACKOFF, REASON_PULLED, REASON_PULLING,
     SECRET_KEY_DOCKERCONFIGJSON, Sandbox as SandboxObj, SandboxPhase,
@@ -18,9 +18,11 @@ use tracing::{info, warn};
 
 use super::Agent;
 use crate::error::{EngineError, Error, Result};
+use ramify_engine::Engine;
 use ramify_engine::spec::WorkloadSpec;
 use ramify_image::{
-    Credentials, ImageError, ImageRef, ImageStore, PulledImage, credentials_for, default_policy,
+    Credentials, ImageError, ImageRef, ImageStore, PulledImage, RegistryConfig, credentials_for,
+    default_policy,
 };
 
 /// How often unused images and layers are looked for (also after every deletion).
@@ -29,20 +31,45 @@ pub const IMAGE_GC_INTERVAL: Duration = Duration::from_secs(300);
 /// yet (a sandbox starting from it).
 pub const IMAGE_GC_GRACE: Duration = Duration::from_secs(600);
 
-impl Agent {
+/// The node's image cache and its upkeep: the store (opened on first use, under the
+/// engine's rootfs cache), pull secrets read by name, the image a snapshot pins, and
+/// the garbage collection of what no sandbox or snapshot uses. Its own state; the
+/// Sandbox controller's pulls ([`Agent::pull_for`]) go through it.
+pub struct Images {
+    client: Client,
+    engine: Engine,
+    registries: RegistryConfig,
+    store: OnceLock<Arc<ImageStore>>,
+    /// Wakes the GC (a sandbox or snapshot went).
+    gc_kick: tokio::sync::Notify,
+}
+
+impl Images {
+    pub fn new(client: Client, engine: Engine, registries: RegistryConfig) -> Self {
+        Self {
+            client,
+            engine,
+            registries,
+            store: OnceLock::new(),
+            gc_kick: tokio::sync::Notify::new(),
+        }
+    }
+
     /// The node's image cache (opened on first use, under the rootfs cache).
-    pub fn images(&self) -> Result<&Arc<ImageStore>> {
-        if let Some(s) = self.images.get() {
+    pub fn store(&self) -> Result<&Arc<ImageStore>> {
+        if let Some(s) = self.store.get() {
             return Ok(s);
         }
-        let store = ImageStore::open(
-            self.engine.rootfs_policy().cache(),
-            self.cfg.registries.clone(),
-        )?;
-        let _ = self.images.set(store);
-        self.images
+        let store = ImageStore::open(self.engine.rootfs_policy().cache(), self.registries.clone())?;
+        let _ = self.store.set(store);
+        self.store
             .get()
             .ok_or_else(|| Error::Engine(EngineError::Join("image store not set".into())))
+    }
+
+    /// Runs the GC soon (a sandbox or snapshot went).
+    pub fn kick_gc(&self) {
+        self.gc_kick.notify_one();
     }
 
     /// The credentials for `registry` from the Secrets `names` of `namespace` (each
@@ -72,6 +99,86 @@ impl Agent {
         Ok(credentials_for(&secrets, registry)?)
     }
 
+    /// Makes sure the image a snapshot pins (`status.image`) is on the node before a
+    /// restore: from the cache, or pulled again by that digest with the branch's
+    /// pull secrets (or its source sandbox's).
+    pub async fn ensure_snapshot_image(
+        &self,
+        secrets: &[ramify_crds::ImagePullSecret],
+        snap: &ramify_crds::Snapshot,
+    ) -> Result<()> {
+        let Some(pinned) = snap.status.as_ref().and_then(|s| s.image.clone()) else {
+            return Ok(());
+        };
+        let store = self.store()?;
+        if let Some(d) = snap.status.as_ref().and_then(|s| s.image_digest.as_deref())
+            && store.record(d).is_some()
+        {
+            return Ok(());
+        }
+        let ns = snap.namespace().unwrap_or_default();
+        let mut names: Vec<String> = secrets.iter().map(|s| s.name.clone()).collect();
+        if names.is_empty() {
+            let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
+            if let Some(src) = sandboxes.get_opt(&snap.spec.source.sandbox).await? {
+                names = src
+                    .spec
+                    .image_pull_secrets
+                    .iter()
+                    .map(|s| s.name.clone())
+                    .collect();
+            }
+        }
+        let registry = ImageRef::parse(&pinned)?.registry().to_string();
+        let creds = self.credentials(&ns, &names, &registry).await?;
+        let p = store.ensure_pinned(&pinned, &creds).await?;
+        info!(image = %pinned, millis = p.millis, "snapshot image pulled again by digest");
+        Ok(())
+    }
+
+    /// The manifest digests some sandbox or snapshot of this node uses.
+    async fn in_use(&self, store: &ImageStore) -> Result<HashSet<String>> {
+        let mut used = HashSet::new();
+        for sb in self.engine.recover().await?.sandboxes {
+            used.extend(store.digest_of_rootfs(&sb.rootfs));
+        }
+        for meta in self.engine.store().list()? {
+            used.extend(store.digest_of_rootfs(&meta.rootfs));
+        }
+        Ok(used)
+    }
+
+    /// One GC pass of the image cache.
+    pub async fn gc(&self, grace: Duration) -> Result<ramify_image::gc::GcReport> {
+        let store = self.store()?;
+        let used = self.in_use(store).await?;
+        Ok(store.gc(&used, grace).await?)
+    }
+
+    /// Runs GC every [`IMAGE_GC_INTERVAL`] and whenever a sandbox or snapshot went (and
+    /// the sweep of held snapshot images, `store/held.rs`).
+    pub async fn gc_loop(&self) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(IMAGE_GC_INTERVAL) => {}
+                _ = self.gc_kick.notified() => {}
+            }
+            if let Err(e) = self.gc(IMAGE_GC_GRACE).await {
+                warn!(error = %e, "image cache GC failed");
+                self.engine.count_cleanup_failure("image gc", e.category());
+            }
+            // Snapshot images deleted while a sandbox read them, whose readers are gone
+            // (a teardown sweeps too; this catches a reader that died on its own).
+            if let Err(e) = self.engine.store().sweep_held() {
+                warn!(error = %e, "removing deleted snapshot images nobody reads any more");
+                self.engine
+                    .count_cleanup_failure("held images", e.category());
+            }
+        }
+    }
+}
+
+impl Agent {
     /// Pulls (or finds) a fresh sandbox's image, saying so in its status: `Pulling`
     /// while it runs; on a failure `ErrImagePull` (then `ImagePullBackOff` while
     /// retried with backoff) with the registry's message, and a warning Event.
@@ -95,10 +202,14 @@ impl Agent {
             .map(|c| c.reason.clone())
             .unwrap_or_default();
         let failed_before = prior == REASON_ERR_IMAGE_PULL || prior == REASON_IMAGE_PULL_BACKOFF;
-        let creds = self.credentials(&ns, &names, reference.registry()).await;
+        let creds = self
+            .images
+            .credentials(&ns, &names, reference.registry())
+            .await;
         if !failed_before
             && !creds.as_ref().is_ok_and(|c| {
-                self.images()
+                self.images
+                    .store()
                     .is_ok_and(|i| i.cached(&reference, policy, c, &ns))
             })
         {
@@ -114,7 +225,8 @@ impl Agent {
         let got = async {
             let creds = creds?;
             Ok::<_, Error>(
-                self.images()?
+                self.images
+                    .store()?
                     .ensure(&reference, policy, &creds, &ns)
                     .await?,
             )
@@ -159,84 +271,6 @@ impl Agent {
                 Err(Error::Image(e))
             }
             Err(e) => Err(e),
-        }
-    }
-
-    /// Makes sure the image a snapshot pins (`status.image`) is on the node before a
-    /// restore: from the cache, or pulled again by that digest with the branch's
-    /// pull secrets (or its source sandbox's).
-    pub(super) async fn ensure_snapshot_image(
-        &self,
-        secrets: &[ramify_crds::ImagePullSecret],
-        snap: &ramify_crds::Snapshot,
-    ) -> Result<()> {
-        let Some(pinned) = snap.status.as_ref().and_then(|s| s.image.clone()) else {
-            return Ok(());
-        };
-        let store = self.images()?;
-        if let Some(d) = snap.status.as_ref().and_then(|s| s.image_digest.as_deref())
-            && store.record(d).is_some()
-        {
-            return Ok(());
-        }
-        let ns = snap.namespace().unwrap_or_default();
-        let mut names: Vec<String> = secrets.iter().map(|s| s.name.clone()).collect();
-        if names.is_empty() {
-            let sandboxes: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
-            if let Some(src) = sandboxes.get_opt(&snap.spec.source.sandbox).await? {
-                names = src
-                    .spec
-                    .image_pull_secrets
-                    .iter()
-                    .map(|s| s.name.clone())
-                    .collect();
-            }
-        }
-        let registry = ImageRef::parse(&pinned)?.registry().to_string();
-        let creds = self.credentials(&ns, &names, &registry).await?;
-        let p = store.ensure_pinned(&pinned, &creds).await?;
-        info!(image = %pinned, millis = p.millis, "snapshot image pulled again by digest");
-        Ok(())
-    }
-
-    /// The manifest digests some sandbox or snapshot of this node uses.
-    async fn images_in_use(&self, store: &ImageStore) -> Result<HashSet<String>> {
-        let mut used = HashSet::new();
-        for sb in self.engine.recover().await?.sandboxes {
-            used.extend(store.digest_of_rootfs(&sb.rootfs));
-        }
-        for meta in self.engine.store().list()? {
-            used.extend(store.digest_of_rootfs(&meta.rootfs));
-        }
-        Ok(used)
-    }
-
-    /// One GC pass of the image cache.
-    pub async fn image_gc(&self, grace: Duration) -> Result<ramify_image::gc::GcReport> {
-        let store = self.images()?;
-        let used = self.images_in_use(store).await?;
-        Ok(store.gc(&used, grace).await?)
-    }
-
-    /// Runs GC every [`IMAGE_GC_INTERVAL`] and whenever a sandbox or snapshot went (and
-    /// the sweep of held snapshot images, `store/held.rs`).
-    pub(super) async fn image_gc_loop(self: Arc<Self>) {
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(IMAGE_GC_INTERVAL) => {}
-                _ = self.image_gc_kick.notified() => {}
-            }
-            if let Err(e) = self.image_gc(IMAGE_GC_GRACE).await {
-                warn!(error = %e, "image cache GC failed");
-                self.engine.count_cleanup_failure("image gc", e.category());
-            }
-            // Snapshot images deleted while a sandbox read them, whose readers are gone
-            // (a teardown sweeps too; this catches a reader that died on its own).
-            if let Err(e) = self.engine.store().sweep_held() {
-                warn!(error = %e, "removing deleted snapshot images nobody reads any more");
-                self.engine
-                    .count_cleanup_failure("held images", e.category());
-            }
         }
     }
 }

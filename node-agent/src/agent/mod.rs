@@ -141,10 +141,8 @@ pub struct Agent {
     /// The controllers' per-object backoff, and their reports of permanent failures
     /// (naming this node).
     settler: ramify_runtime::settle::Settler,
-    /// The image cache (`spec.image`), opened on first use.
-    images: std::sync::OnceLock<Arc<ramify_image::ImageStore>>,
-    /// Wakes the image cache's GC (a sandbox or snapshot went).
-    image_gc_kick: tokio::sync::Notify,
+    /// The image cache (`spec.image`) and its GC.
+    images: images::Images,
     /// Wakes the sweep of fetched snapshot images (a branch restored from one went).
     fetched_kick: tokio::sync::Notify,
     /// Background uploads of snapshot images to the object store, by Snapshot uid.
@@ -194,6 +192,7 @@ impl Agent {
         );
         let admission = admission::Admission::new(cfg.allocatable, cfg.max_restores);
         let settler = backoff::settler(&cfg.node, recorder.clone());
+        let images = images::Images::new(client.clone(), engine.clone(), cfg.registries.clone());
         let usage = usage::Usage::new(
             client.clone(),
             metrics.clone(),
@@ -219,8 +218,7 @@ impl Agent {
             reported: Mutex::new(HashSet::new()),
             unreported: Mutex::new(HashMap::new()),
             settler,
-            images: std::sync::OnceLock::new(),
-            image_gc_kick: tokio::sync::Notify::new(),
+            images,
             fetched_kick: tokio::sync::Notify::new(),
             uploads: snapshot_remote::Uploads::default(),
             usage,
@@ -498,7 +496,10 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
         .for_each(|_| futures::future::ready(()));
     let sweep = tokio::spawn(agent.clone().sweep_admission());
     let self_forks = tokio::spawn(agent.clone().sweep_self_forks());
-    let image_gc = tokio::spawn(agent.clone().image_gc_loop());
+    let image_gc = tokio::spawn({
+        let agent = agent.clone();
+        async move { agent.images.gc_loop().await }
+    });
     let moved = tokio::spawn(agent.clone().sweep_moved());
     let fetched = tokio::spawn(agent.clone().sweep_fetched());
     let drain = tokio::spawn(agent.clone().watch_drain());

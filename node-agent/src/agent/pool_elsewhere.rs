@@ -195,7 +195,8 @@ impl Agent {
                 .await
                 .map(|(_, s)| s);
         }
-        self.ensure_snapshot_image(&source.spec.image_pull_secrets, snap)
+        self.images
+            .ensure_snapshot_image(&source.spec.image_pull_secrets, snap)
             .await?;
         let digest = snap
             .status
@@ -206,7 +207,7 @@ impl Agent {
                     "the snapshot records no image digest to restore on".into(),
                 ))
             })?;
-        Ok(RootfsSource::Dir(self.images()?.rootfs_of(digest)))
+        Ok(RootfsSource::Dir(self.images.store()?.rootfs_of(digest)))
     }
 
     /// Closes this node's pool of `uid` (Snapshot `name`) and gives back its memory.

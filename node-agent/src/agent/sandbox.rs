@@ -239,7 +239,7 @@ impl Agent {
             self.registry.remove_sandbox(&uid)?;
             if obj.spec.image.is_some() {
                 // Its image may be unused now.
-                self.image_gc_kick.notify_one();
+                self.images.kick_gc();
             }
             if obj
                 .status

@@ -44,7 +44,7 @@ impl Agent {
                     .as_ref()
                     .is_some_and(|s| s.image_digest.is_some())
                 {
-                    self.image_gc_kick.notify_one();
+                    self.images.kick_gc();
                 }
             }
             self.release_finalizer(snap).await?;
@@ -217,7 +217,7 @@ impl Agent {
             {
                 // Its branches need the snapshot's image on the node (by digest), and
                 // its checkpoint (from the object store if this node lost it).
-                self.ensure_snapshot_image(&[], snap).await?;
+                self.images.ensure_snapshot_image(&[], snap).await?;
                 self.ensure_local_image(snap, rec).await?;
                 let pool = self.engine.warm_pool_gated(
                     &rec.image_id,
@@ -289,7 +289,7 @@ impl Agent {
             return Ok(Action::await_change());
         }
         if !self.pools.has(uid) {
-            self.ensure_snapshot_image(&[], snap).await?;
+            self.images.ensure_snapshot_image(&[], snap).await?;
             self.ensure_local_image(snap, rec).await?;
             let ns = snap.namespace().unwrap_or_default();
             let supply = super::pods::PoolPods {
@@ -368,7 +368,7 @@ impl Agent {
         });
         // A source from `spec.image`: the image its restores must use, by digest.
         let mut body = body;
-        if let Ok(store) = self.images()
+        if let Ok(store) = self.images.store()
             && let Some(digest) = store.digest_of_rootfs(&meta.rootfs)
         {
             if let Some(rec) = store.record(&digest) {

@@ -402,7 +402,8 @@ impl Agent {
                 // The image the snapshot pins, pulled again by digest if this node
                 // lost it (never a newer tag).
                 if !fetched {
-                    self.ensure_snapshot_image(&obj.spec.image_pull_secrets, &snap)
+                    self.images
+                        .ensure_snapshot_image(&obj.spec.image_pull_secrets, &snap)
                         .await?;
                     // Its checkpoint too, from the object store if this node lost it.
                     self.ensure_local_image(&snap, &rec).await?;
