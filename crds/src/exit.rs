@@ -21,6 +21,10 @@ pub enum ExitReason {
     PidsLimitReached,
     /// runsc's sandbox process failed on its own (a gVisor panic): not the workload.
     SandboxCrashed,
+    /// A branch restored lazily lost memory it had not loaded yet: the snapshot's pages
+    /// file it reads changed under it (cut short or written to), so the node agent
+    /// stopped it rather than let it run on with pages it cannot read or trust.
+    SnapshotPagesLost,
     /// The sandbox process ended without saying how.
     Unknown,
 }
@@ -34,6 +38,7 @@ impl ExitReason {
             ExitReason::OomKilled => "OOMKilled",
             ExitReason::PidsLimitReached => "PidsLimitReached",
             ExitReason::SandboxCrashed => "SandboxCrashed",
+            ExitReason::SnapshotPagesLost => "SnapshotPagesLost",
             ExitReason::Unknown => "Unknown",
         }
     }

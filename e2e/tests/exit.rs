@@ -118,3 +118,78 @@ async fn a_sandbox_that_dies_says_why_in_status_and_an_event() {
 
     sys.teardown_and_check_clean().await;
 }
+
+/// A sandbox restored lazily from a snapshot whose pages file is then cut short on the
+/// node (by someone with root there): the agent stops it at its next look, with
+/// `SnapshotPagesLost` in `status.exit`, on `Ready` and in a Warning Event, while its
+/// source runs on.
+#[tokio::test]
+async fn a_branch_whose_pages_file_is_cut_short_says_so() {
+    let sys = System::start("exit-pages").await;
+    sys.apply(&sys.sandbox_with(
+        "src",
+        "dd if=/dev/urandom of=/tmp/big bs=1M count=32 2>/dev/null; echo ok > /tmp/ready; while :; do sleep 1; done",
+        "{cpu: 500m, memory: 256Mi}",
+    ));
+    sys.wait_running("src").await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while sys.exec("src", "cat /tmp/ready").1.trim() != "ok" {
+        assert!(Instant::now() < deadline, "src never wrote its data");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sys.apply(&System::snapshot_yaml("snap", "src"));
+    let snaps: kube::Api<ramify_crds::Snapshot> =
+        kube::Api::namespaced(sys.client.clone(), &sys.ns.name);
+    sys.wait_for(snaps, "snap", "Ready", 120, |s: &ramify_crds::Snapshot| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.phase == ramify_crds::SnapshotPhase::Ready)
+    })
+    .await;
+    sys.apply(&sys.restored_yaml("branch", "snap"));
+    sys.wait_running("branch").await;
+
+    // The node's copy of the image (the only one), cut to half.
+    let images = sys.state_dir.join("engine/snapshots");
+    let pages: Vec<_> = std::fs::read_dir(&images)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("image/pages.img"))
+        .filter(|p| p.is_file())
+        .collect();
+    assert_eq!(
+        pages.len(),
+        1,
+        "images under {}: {pages:?}",
+        images.display()
+    );
+    let len = std::fs::metadata(&pages[0]).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pages[0])
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+
+    // The agent looks at a running sandbox every 10 s.
+    let s = ended(&sys, "branch", 60).await;
+    let st = s.status.unwrap();
+    let exit = st.exit.clone().unwrap();
+    assert_eq!(st.phase, SandboxPhase::Failed);
+    assert_eq!(exit.reason, ExitReason::SnapshotPagesLost, "{exit:?}");
+    assert!(exit.message.contains("changed size"), "{}", exit.message);
+    assert_eq!(
+        st.conditions.get_condition("Ready").unwrap().reason,
+        "SnapshotPagesLost"
+    );
+    assert!(
+        sys.event("branch", "SnapshotPagesLost")
+            .await
+            .note
+            .unwrap_or_default()
+            .contains("pages file")
+    );
+    // Its source never read that file, and runs on.
+    assert_eq!(sys.exec("src", "cat /tmp/ready").1.trim(), "ok");
+    sys.teardown_and_check_clean().await;
+}

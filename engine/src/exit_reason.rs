@@ -51,13 +51,29 @@ const MAX_LOG_BYTES: u64 = 16 << 20;
 
 /// How the sandbox process's log says its first process ended.
 pub fn parse_boot_log(log: impl Read) -> BootExit {
+    read_boot_log(log).0
+}
+
+/// How its first process ended, and the loader's failure to read its pages file
+/// (a lazily restored sandbox whose pages file was cut short), from the sandbox
+/// process's log.
+fn read_boot_log(log: impl Read) -> (BootExit, Option<String>) {
     let mut exit = None;
     let mut panic = None;
+    let mut pages = None;
     for line in BufReader::new(log.take(MAX_LOG_BYTES))
         .split(b'\n')
         .map_while(Result::ok)
     {
         let line = String::from_utf8_lossy(&line);
+        if pages.is_none()
+            && let Some((_, what)) = line.split_once("Async page loading failed: ")
+        {
+            pages = Some(format!(
+                "gVisor could not read a page from the snapshot's pages file ({})",
+                what.trim().chars().take(300).collect::<String>()
+            ));
+        }
         if let Some((_, what)) = line.split_once("application exiting with ") {
             exit = parse_exit(what.trim()).or(exit);
         } else if panic.is_none()
@@ -66,11 +82,12 @@ pub fn parse_boot_log(log: impl Read) -> BootExit {
             panic = Some(line.trim().chars().take(300).collect::<String>());
         }
     }
-    match (exit, panic) {
+    let exit = match (exit, panic) {
         (Some(e), _) => e,
         (None, Some(p)) => BootExit::Panicked(p),
         (None, None) => BootExit::Unknown,
-    }
+    };
+    (exit, pages)
 }
 
 /// "exit status 3" / "killed by signal 9" (gVisor's WaitStatus text).
@@ -126,6 +143,9 @@ pub fn read_limits(cgroups_path: &str) -> LimitFacts {
 pub struct Ending {
     pub boot: BootExit,
     pub limits: LimitFacts,
+    /// Why its lazily loaded memory was lost, if it was: the engine stopped it because
+    /// its pages file changed, or gVisor failed to read a page from it.
+    pub pages_lost: Option<String>,
 }
 
 /// How `sb` ended (call once it stopped running). Reads files: run it off the async
@@ -136,10 +156,12 @@ pub fn observe(runsc: &Runsc, sb: &LocalSandbox) -> Ending {
 
 /// [`observe`] from a sandbox's runsc context and cgroup (what a blocking task can own).
 pub fn observe_parts(runsc: &Runsc, ctx: &SandboxCtx, cgroups_path: &str) -> Ending {
-    let boot = open_log(&runsc.boot_log(ctx)).map_or(BootExit::Unknown, parse_boot_log);
+    let (boot, failed_read) =
+        open_log(&runsc.boot_log(ctx)).map_or((BootExit::Unknown, None), read_boot_log);
     Ending {
         boot,
         limits: read_limits(cgroups_path),
+        pages_lost: crate::engine::lost_reason(ctx).or(failed_read),
     }
 }
 
@@ -181,5 +203,14 @@ I1201 15:49:10.915470       1 cli.go:310] Exiting with status: 768
             matches!(parse_boot_log(panic.as_bytes()), BootExit::Panicked(p) if p.contains("createSysmsgThread"))
         );
         assert_eq!(parse_boot_log(&b""[..]), BootExit::Unknown);
+    }
+
+    #[test]
+    fn the_boot_log_says_when_a_page_could_not_be_read() {
+        let log = "I1207 save_restore.go:1848] Async page loading failed: read for MemoryFile(0xc0001) pages [0x1000, 0x2000) (total 4096 bytes) returned 0 bytes, error: <nil>\nI1207 boot.go:675] application exiting with killed by signal 9\n";
+        let (exit, pages) = read_boot_log(log.as_bytes());
+        assert_eq!(exit, BootExit::Signaled(9));
+        assert!(pages.unwrap().contains("returned 0 bytes"));
+        assert_eq!(read_boot_log(EXIT3.as_bytes()).1, None);
     }
 }

@@ -283,6 +283,94 @@ async fn a_lazy_branch_reads_on_after_its_image_is_deleted() {
     h.finish().await;
 }
 
+/// A pages file cut short under lazy branches (by anyone with root on the node): a
+/// branch that reads a lost page gets no other bytes (gVisor stops it, and its ending
+/// says why); one that has not read yet is seen at once and stopped by the engine with
+/// the reason; a sibling on an intact copy of the same memory reads every byte right
+/// and runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pages_file_cut_short_stops_its_branches_with_the_reason_and_spares_a_sibling() {
+    let h = lazy_harness("lazy-cut").await;
+    let (mut src, sum) = big_source(&h, "cut-src").await;
+    // Two images of the same memory: one to cut, one intact.
+    let cut = h.engine.snapshot(&mut src, None).await.unwrap();
+    let intact = h.engine.snapshot(&mut src, None).await.unwrap();
+    h.destroy_clean(src).await;
+    let reader = fork_one(&h, &cut.meta.id, "cut-read").await;
+    let idle = fork_one(&h, &cut.meta.id, "cut-idle").await;
+    let sibling = fork_one(&h, &intact.meta.id, "intact").await;
+    for b in [&reader, &idle, &sibling] {
+        assert_eq!(h.engine.pages_lost(b), None, "{} lost nothing yet", b.name);
+    }
+
+    let (_, image) = h
+        .engine
+        .store()
+        .verify(&cut.meta.id, h.engine.runsc().version())
+        .unwrap();
+    let pages = image.join(ramify_engine::engine::PAGES_FILE);
+    let len = std::fs::metadata(&pages).unwrap().len();
+    assert!(len > BIG_MIB << 20, "the pages file holds {len} bytes");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pages)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+
+    // Seen before anything reads: both branches of the cut image, not the sibling.
+    for b in [&reader, &idle] {
+        let why = h
+            .engine
+            .pages_lost(b)
+            .expect("the cut pages file is not seen");
+        assert!(why.contains("changed size"), "{why}");
+    }
+    assert_eq!(h.engine.pages_lost(&sibling), None);
+
+    // A read of a lost page: an error, never other bytes; gVisor stops the sandbox.
+    let out = h.engine.exec(&reader, &["md5sum", "/tmp/big"]).await;
+    if let Ok(out) = &out {
+        assert_ne!(
+            out.code,
+            0,
+            "md5sum read a file cut short: {}",
+            out.stdout_str()
+        );
+        assert!(
+            !out.stdout_str().contains(&sum),
+            "lost pages read back whole"
+        );
+    }
+    // The other is stopped by the engine, as the node agent does on its next look.
+    let why = h.engine.pages_lost(&idle).unwrap();
+    h.engine.end_for_lost_pages(&idle, &why).await.unwrap();
+    for (b, says) in [(&reader, "could not read a page"), (&idle, "changed size")] {
+        let e = &h.engine;
+        eventually(
+            Duration::from_secs(30),
+            &format!("{} to stop", b.name),
+            || async move { (!e.is_running(b).await.unwrap()).then_some(()) },
+        )
+        .await;
+        let ending = ramify_engine::exit_reason::observe(h.engine.runsc(), b);
+        let said = ending
+            .pages_lost
+            .clone()
+            .unwrap_or_else(|| panic!("the ending of {} does not say why: {ending:?}", b.name));
+        assert!(said.contains(says), "{said}");
+        println!("{} ended: {said}", b.name);
+    }
+
+    // The sibling reads every byte of the same memory from its own copy, and runs on.
+    assert_eq!(md5(&h, &sibling, "/tmp/big").await, sum);
+    assert!(h.engine.is_running(&sibling).await.unwrap());
+    for b in [reader, idle, sibling] {
+        h.destroy_clean(b).await;
+    }
+    h.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debians_runsc_restores_eagerly_and_refuses_lazy() {
     let _ = rootfs().await; // the tool check: runsc is installed

@@ -28,7 +28,7 @@ fn signal_name(sig: i32) -> String {
 
 /// Names what happened. A limit the cgroup saw hit wins over the exit line (an
 /// out-of-memory kill reads as "killed by signal 9"), as the kubelet says `OOMKilled`.
-pub fn classify(boot: &BootExit, limits: &LimitFacts) -> SandboxExit {
+pub fn classify(boot: &BootExit, limits: &LimitFacts, pages_lost: Option<&str>) -> SandboxExit {
     let (code, signal) = match boot {
         BootExit::Exited(c) => (Some(*c), None),
         BootExit::Signaled(s) => (None, Some(*s)),
@@ -40,7 +40,14 @@ pub fn classify(boot: &BootExit, limits: &LimitFacts) -> SandboxExit {
         BootExit::Panicked(p) => format!("gVisor stopped ({p})"),
         BootExit::Unknown => "the sandbox process was killed".into(),
     };
-    let (reason, limit, message) = if limits.oom_kills > 0 {
+    let (reason, limit, message) = if let Some(lost) = pages_lost {
+        // What made the workload fail (a read error, the agent's stop): not a limit.
+        (
+            ExitReason::SnapshotPagesLost,
+            None,
+            format!("the sandbox was stopped: {lost}"),
+        )
+    } else if limits.oom_kills > 0 {
         let limit = limits.memory_limit.map(quantity);
         let named = limit
             .as_deref()
@@ -96,15 +103,22 @@ pub fn classify(boot: &BootExit, limits: &LimitFacts) -> SandboxExit {
 /// How `sb` ended, for its status (call once it stopped running). Reads files: run it
 /// off the async workers.
 pub fn observe(runsc: &Runsc, sb: &LocalSandbox) -> SandboxExit {
-    let Ending { boot, limits } = ramify_engine::exit_reason::observe(runsc, sb);
-    classify(&boot, &limits)
+    let Ending {
+        boot,
+        limits,
+        pages_lost,
+    } = ramify_engine::exit_reason::observe(runsc, sb);
+    classify(&boot, &limits, pages_lost.as_deref())
 }
 
 /// [`observe`] from a sandbox's runsc context and cgroup (what a blocking task can own).
 pub fn observe_parts(runsc: &Runsc, ctx: &SandboxCtx, cgroups_path: &str) -> SandboxExit {
-    let Ending { boot, limits } =
-        ramify_engine::exit_reason::observe_parts(runsc, ctx, cgroups_path);
-    classify(&boot, &limits)
+    let Ending {
+        boot,
+        limits,
+        pages_lost,
+    } = ramify_engine::exit_reason::observe_parts(runsc, ctx, cgroups_path);
+    classify(&boot, &limits, pages_lost.as_deref())
 }
 
 #[cfg(test)]
@@ -119,7 +133,7 @@ mod tests {
             memory_limit: Some(256 << 20),
             ..Default::default()
         };
-        let e = classify(&BootExit::Signaled(9), &oom);
+        let e = classify(&BootExit::Signaled(9), &oom, None);
         assert_eq!(e.reason, ExitReason::OomKilled);
         assert_eq!(e.signal, Some(9));
         assert_eq!(e.limit.as_deref(), Some("256Mi"));
@@ -131,27 +145,43 @@ mod tests {
             pids_limit: Some(512),
             ..Default::default()
         };
-        let e = classify(&BootExit::Panicked("panic: x".into()), &pids);
+        let e = classify(&BootExit::Panicked("panic: x".into()), &pids, None);
         assert_eq!(e.reason, ExitReason::PidsLimitReached);
         assert_eq!(e.limit.as_deref(), Some("512"));
         assert!(e.message.contains("512 processes"), "{}", e.message);
 
         let none = LimitFacts::default();
         assert_eq!(
-            classify(&BootExit::Exited(0), &none).reason,
+            classify(&BootExit::Exited(0), &none, None).reason,
             ExitReason::Completed
         );
-        let e = classify(&BootExit::Exited(3), &none);
+        let e = classify(&BootExit::Exited(3), &none, None);
         assert_eq!((e.reason, e.code), (ExitReason::Error, Some(3)));
         assert!(e.message.contains("code 3"), "{}", e.message);
         assert_eq!(
-            classify(&BootExit::Panicked("panic: y".into()), &none).reason,
+            classify(&BootExit::Panicked("panic: y".into()), &none, None).reason,
             ExitReason::SandboxCrashed
         );
         assert_eq!(
-            classify(&BootExit::Unknown, &none).reason,
+            classify(&BootExit::Unknown, &none, None).reason,
             ExitReason::Unknown
         );
+    }
+
+    #[test]
+    fn lost_pages_are_named_over_the_exit_line_and_any_limit() {
+        let oom = LimitFacts {
+            oom_kills: 1,
+            ..Default::default()
+        };
+        let e = classify(
+            &BootExit::Signaled(9),
+            &oom,
+            Some("the snapshot's pages file changed size under it"),
+        );
+        assert_eq!(e.reason, ExitReason::SnapshotPagesLost);
+        assert_eq!(e.signal, Some(9));
+        assert!(e.message.contains("changed size"), "{}", e.message);
     }
 
     #[test]

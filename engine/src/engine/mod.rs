@@ -13,6 +13,7 @@
 //! - `recovery`: a sandbox's on-disk record and re-adopting it after a restart.
 //! - `warm_pool`: frozen restored branches, handed out on claim.
 //! - `suspend`: checkpoint a sandbox to an image and stop it; restore it from there.
+//! - `pages_file`: the pages file a lazily restored sandbox reads, and stopping it when that file changes under it.
 
 mod billing;
 mod cleanup;
@@ -20,6 +21,7 @@ mod commit;
 mod control_mount;
 mod fork;
 mod identity;
+mod pages_file;
 mod recovery;
 mod sandbox;
 mod snapshot;
@@ -33,6 +35,7 @@ pub use commit::{CommitReport, PathsCommit};
 pub use control_mount::{CONTROL_QUOTA_BYTES, CONTROL_QUOTA_INODES};
 pub use fork::ForkOptions;
 pub use identity::branch_hostname;
+pub use pages_file::{PAGES_FILE, PagesSeal, lost_reason};
 pub use recovery::{Recovered, Unreadable};
 pub use sandbox::{LocalSandbox, StartRequest};
 pub use snapshot::SnapshotInfo;

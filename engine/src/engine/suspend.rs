@@ -265,6 +265,7 @@ impl Engine {
             .runsc
             .restore(&sb.ctx, &sb.bundle_dir(), &img)
             .await?;
+        self.seal_pages(sb, &img);
         sb.suspended = None;
         self.persist(sb)?;
         // runsc opened the image files for the restore and holds them: removing

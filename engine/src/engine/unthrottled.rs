@@ -130,6 +130,9 @@ impl Engine {
         if let Some(full) = limited {
             crate::spec::write_bundle(&sb.bundle_dir(), &full)?;
         }
+        if restored.is_ok() {
+            self.seal_pages(sb, img);
+        }
         restored.map(|()| lifted)
     }
 }

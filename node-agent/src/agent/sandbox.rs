@@ -387,10 +387,18 @@ impl Agent {
             return Ok(done);
         }
         let sb = &*sb;
+        let status = obj.status.clone().unwrap_or_default();
+        // A lazily restored branch whose snapshot's pages file changed under it can no
+        // longer read (or trust) the memory it has not loaded: stopped, and reported
+        // below as it ended.
+        if matches!(status.phase, SandboxPhase::Running | SandboxPhase::Paused)
+            && let Some(reason) = self.engine.pages_lost(sb)
+        {
+            self.engine.end_for_lost_pages(sb, &reason).await?;
+        }
         // By its process (a paused branch still runs): a paused branch that died is
         // reported as any other.
         let running = self.engine.is_running(sb).await?;
-        let status = obj.status.clone().unwrap_or_default();
         if !running && status.phase == SandboxPhase::Running {
             self.report_exit(obj, sb).await?;
             // Its processes are gone: so is what they held of the node.

@@ -15,6 +15,11 @@
 //! 5, 50 or 100% of it, restored lazily and in the background (`--lazy-mib`,
 //! `--lazy-branches`).
 //!
+//! `--scenarios python --python-tar TAR`: the memory of branches of a python workspace
+//! (a SQLite database and a large dict) restored lazily and as full copies, and how much
+//! of a lazy branch's memory is only read (`--python-rows`, `--python-dict`,
+//! `--python-branches`).
+//!
 //! `--scenarios throttle`: a small sandbox's snapshot and fork of 3 at `cpu: 50m` and at
 //! `cpu: 1`, in one run (a sandbox's own CPU limit must not slow its fork).
 //!
@@ -52,7 +57,7 @@ struct Args {
     #[arg(long, default_value = "auto")]
     platform: String,
     /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`,
-    /// `suspend`, `images`, `store`, `throttle`, `lazy`.
+    /// `suspend`, `images`, `store`, `throttle`, `lazy`, `python`.
     #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
     scenarios: Vec<String>,
     /// Platforms the platform scenario compares (each must work with --runsc).
@@ -92,6 +97,19 @@ struct Args {
     /// source holds in memory before its capture.
     #[arg(long, default_value_t = 128)]
     store_dirty: u64,
+    /// The `python` scenario's root filesystem: the tarball `hack/images/debootstrap.sh`
+    /// prints (Debian with python3 and sqlite3).
+    #[arg(long)]
+    python_tar: Option<PathBuf>,
+    /// Rows of the `python` scenario's SQLite database.
+    #[arg(long, default_value_t = 200_000)]
+    python_rows: u64,
+    /// Entries of the `python` scenario's in-memory dict.
+    #[arg(long, default_value_t = 1_500_000)]
+    python_dict: u64,
+    /// Branches the `python` scenario forks.
+    #[arg(long, default_value_t = 4)]
+    python_branches: u32,
 }
 
 #[path = "ramify-bench/images.rs"]
@@ -100,6 +118,8 @@ mod images;
 mod lazy;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
+#[path = "ramify-bench/python.rs"]
+mod python;
 #[path = "ramify-bench/store.rs"]
 mod store;
 #[path = "ramify-bench/suspend.rs"]
@@ -360,6 +380,22 @@ async fn main() -> Result<()> {
             rootfs: &rootfs,
             data_mib: args.lazy_mib,
             branches: args.lazy_branches,
+        }
+        .run()
+        .await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "python") {
+        let Some(tar) = args.python_tar.as_deref() else {
+            bail!("the python scenario needs --python-tar (hack/images/debootstrap.sh prints it)");
+        };
+        result = python::PythonBench {
+            engine: &engine,
+            placement: &placement,
+            roots: &dir.join("roots"),
+            tar,
+            rows: args.python_rows,
+            dict: args.python_dict,
+            branches: args.python_branches,
         }
         .run()
         .await;

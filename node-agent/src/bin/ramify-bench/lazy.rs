@@ -19,7 +19,7 @@ use ramify_engine::runsc::{RestorePages, RunscConfig};
 use super::{mib, ms, start_workload, workload};
 
 /// The same engine (store, placement, root filesystems) restoring pages in `mode`.
-async fn engine_in(
+pub(super) async fn engine_in(
     engine: &Engine,
     placement: &Arc<Standalone>,
     mode: RestorePages,
