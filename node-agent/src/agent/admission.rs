@@ -354,11 +354,7 @@ impl Agent {
                     }
                 }
             }
-            let held: HashSet<String> = self
-                .handles
-                .lock()
-                .map(|h| h.keys().cloned().collect())
-                .unwrap_or_default();
+            let held: HashSet<String> = self.held.uids().into_iter().collect();
             // Twice unseen in a row: a re-list swaps a store whole, never empties it.
             let mut now_unseen = HashSet::new();
             let stale = self.admission.sweep(&mut |k| {

@@ -2,7 +2,8 @@
 //! and the timeout; the outcome (with the effects it asked for) is recorded, the
 //! branch frozen, and the outcome reported on its Sandbox.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kube::ResourceExt;
@@ -46,6 +47,50 @@ pub fn requested_effects(
         .collect()
 }
 
+/// The branch runs in flight, by Sandbox uid: each has a "deleted" signal, sent when
+/// its branch is deleted (its run and verdict commands are dropped: a loser goes at
+/// once).
+#[derive(Default)]
+pub(super) struct Runners {
+    running: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
+}
+
+impl Runners {
+    /// Registers the run of `uid`; `None`: one runs already.
+    fn start(&self, uid: &str) -> Option<tokio::sync::watch::Receiver<bool>> {
+        let mut r = self.running.lock().ok()?;
+        if r.contains_key(uid) {
+            return None;
+        }
+        let (deleted_tx, deleted) = tokio::sync::watch::channel(false);
+        r.insert(uid.to_string(), deleted_tx);
+        Some(deleted)
+    }
+
+    fn done(&self, uid: &str) {
+        if let Ok(mut r) = self.running.lock() {
+            r.remove(uid);
+        }
+    }
+
+    /// The branch of `uid` is deleted: its run lets go of the sandbox at once.
+    pub(super) fn stop(&self, uid: &str) {
+        if let Ok(r) = self.running.lock()
+            && let Some(deleted) = r.get(uid)
+        {
+            deleted.send_replace(true);
+        }
+    }
+
+    /// Whether a run of `uid` is in flight (when unsure: yes, so none is started twice).
+    pub(super) fn is_running(&self, uid: &str) -> bool {
+        self.running
+            .lock()
+            .map(|r| r.contains_key(uid))
+            .unwrap_or(true)
+    }
+}
+
 impl Agent {
     pub(super) fn spawn_branch_run(
         self: &Arc<Self>,
@@ -54,13 +99,9 @@ impl Agent {
         branch: ramify_crds::BranchRef,
         fork_millis: i64,
     ) {
-        let (deleted_tx, deleted) = tokio::sync::watch::channel(false);
-        match self.runners.lock() {
-            Ok(mut r) if !r.contains_key(&uid) => {
-                r.insert(uid.clone(), deleted_tx);
-            }
-            _ => return,
-        }
+        let Some(deleted) = self.runners.start(&uid) else {
+            return;
+        };
         let agent = self.clone();
         tokio::spawn(async move {
             let ran = agent
@@ -87,9 +128,7 @@ impl Agent {
                     agent.metrics.failed("branch", e.category());
                 }
             }
-            if let Ok(mut r) = agent.runners.lock() {
-                r.remove(&uid);
-            }
+            agent.runners.done(&uid);
         });
     }
 
@@ -320,7 +359,8 @@ impl Agent {
         let outcome = recorded.and_then(|r| r.outcome).unwrap_or(decided);
         // Decided: it stops consuming CPU before the API server hears of it.
         if let Some(uid) = obj.uid() {
-            self.freeze_branch(&uid, Self::depth_for(&outcome)).await;
+            self.freeze_branch(&uid, super::decided::Decided::depth_for(&outcome))
+                .await;
         }
         self.report_outcome(&api, &obj.name_any(), &outcome).await?;
         info!(sandbox = %obj.name_any(), ?verdict, "branch verdict");

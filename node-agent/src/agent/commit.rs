@@ -221,7 +221,7 @@ impl Agent {
             .unwrap_or(0);
         // Decided, so frozen: it runs again for its commit (and, when refused, waits
         // for its deletion frozen again).
-        self.thaw_branch(&winner_uid).await?;
+        self.decided.thaw(&winner_uid).await?;
         let applied = self
             .apply_commit_locked(bs, parent_uid, &winner_uid, fork, &parent_h, &winner_h)
             .await;
@@ -229,7 +229,7 @@ impl Agent {
             Ok(Applied::Done(..)) if bs.spec.commit.mode == CommitMode::Full => {
                 // The winner's sandbox is the parent's now, held under the parent's
                 // request.
-                self.forget_branch(&winner_uid);
+                self.decided.forget(&winner_uid);
                 self.admission.release(&winner_uid);
                 self.publish_capacity();
             }
@@ -298,7 +298,7 @@ impl Agent {
                 }
                 // A parent that is itself a branch (nested sets) lives on in the
                 // winner's sandbox now.
-                self.rehome_branch(parent_uid, p);
+                self.decided.rehome(parent_uid, p);
                 self.take_handle(&winner_uid);
                 drop(wg);
                 if let Err(e) = self.finish_full_commit(&mut rec, Some(old)).await {

@@ -32,14 +32,26 @@ pub struct BranchPlace {
     pub asks: Requests,
 }
 
-/// The branches of this node, and which of them are frozen.
-#[derive(Default)]
+/// The branches of this node, and which of them are frozen: it freezes and thaws
+/// them (through the engine's runsc) and keeps the frozen-branches gauge. What a
+/// frozen branch gives back to the node's capacity is the agent's to settle.
 pub struct Decided {
+    runsc: ramify_engine::runsc::Runsc,
+    metrics: super::metrics::AgentMetrics,
     places: Mutex<HashMap<String, BranchPlace>>,
     frozen: Mutex<HashSet<String>>,
 }
 
 impl Decided {
+    pub fn new(runsc: ramify_engine::runsc::Runsc, metrics: super::metrics::AgentMetrics) -> Self {
+        Decided {
+            runsc,
+            metrics,
+            places: Mutex::default(),
+            frozen: Mutex::default(),
+        }
+    }
+
     pub fn is_frozen(&self, uid: &str) -> bool {
         self.frozen.lock().map(|f| f.contains(uid)).unwrap_or(false)
     }
@@ -51,11 +63,15 @@ impl Decided {
     pub fn count(&self) -> usize {
         self.frozen.lock().map(|f| f.len()).unwrap_or(0)
     }
-}
 
-impl Agent {
+    fn publish_count(&self) {
+        self.metrics
+            .frozen_branches
+            .set(i64::try_from(self.count()).unwrap_or(i64::MAX));
+    }
+
     /// Remembers a branch's place (at its start, or re-adopted after a restart).
-    pub(super) fn remember_branch(&self, uid: &str, obj: &SandboxObj, sb: &LocalSandbox) {
+    pub(super) fn remember(&self, uid: &str, obj: &SandboxObj, sb: &LocalSandbox) {
         let Some(b) = obj
             .spec
             .restore_from
@@ -64,7 +80,7 @@ impl Agent {
         else {
             return;
         };
-        if let Ok(mut p) = self.decided.places.lock() {
+        if let Ok(mut p) = self.places.lock() {
             p.insert(
                 uid.to_string(),
                 BranchPlace {
@@ -81,8 +97,8 @@ impl Agent {
 
     /// A commit Full swapped another sandbox in under this branch (it was the parent
     /// of a nested set): freezes and thaws now go to that one.
-    pub(super) fn rehome_branch(&self, uid: &str, sb: &LocalSandbox) {
-        if let Ok(mut p) = self.decided.places.lock()
+    pub(super) fn rehome(&self, uid: &str, sb: &LocalSandbox) {
+        if let Ok(mut p) = self.places.lock()
             && let Some(place) = p.get_mut(uid)
         {
             place.cgroups_path = sb.cgroups_path().to_string();
@@ -93,16 +109,14 @@ impl Agent {
 
     /// The branch is going (deleted) or handed over (committed Full): no freeze may
     /// target it any more.
-    pub(super) fn forget_branch(&self, uid: &str) {
-        if let Ok(mut p) = self.decided.places.lock() {
+    pub(super) fn forget(&self, uid: &str) {
+        if let Ok(mut p) = self.places.lock() {
             p.remove(uid);
         }
-        if let Ok(mut f) = self.decided.frozen.lock() {
+        if let Ok(mut f) = self.frozen.lock() {
             f.remove(uid);
         }
-        self.metrics
-            .frozen_branches
-            .set(i64::try_from(self.decided.count()).unwrap_or(i64::MAX));
+        self.publish_count();
     }
 
     /// The depth for a branch whose outcome is `outcome`: an aborted branch only waits
@@ -116,26 +130,25 @@ impl Agent {
         }
     }
 
-    /// Freezes a decided branch (idempotent) and gives its CPU back to the node. A
-    /// failure is logged: the branch then keeps running until it is deleted.
-    pub(super) async fn freeze_branch(&self, uid: &str, depth: freezer::Depth) {
-        if self.decided.is_frozen(uid) {
-            return;
+    /// Freezes a decided branch (idempotent). Returns what it holds of the node now
+    /// (no CPU, the memory it holds) when this call froze it. A failure is logged: the
+    /// branch then keeps running until it is deleted.
+    pub(super) async fn freeze(&self, uid: &str, depth: freezer::Depth) -> Option<Requests> {
+        if self.is_frozen(uid) {
+            return None;
         }
-        let Some(place) = self.decided.place(uid).filter(|p| p.dir.exists()) else {
-            return;
-        };
+        let place = self.place(uid).filter(|p| p.dir.exists())?;
         let r = async {
             let dir = place.dir.clone();
             let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
                 .await
                 .map_err(|e| Error::Engine(EngineError::Join(e.to_string())))??;
             // Forgotten (deleted) while the lock was awaited: leave it to the teardown.
-            if self.decided.place(uid).is_none() {
+            if self.place(uid).is_none() {
                 return Ok(false);
             }
             freezer::pause(
-                self.engine.runsc(),
+                &self.runsc,
                 &place.ctx,
                 &place.dir,
                 &place.cgroups_path,
@@ -147,65 +160,51 @@ impl Agent {
         .await;
         match r {
             Ok(true) => {
-                if let Ok(mut f) = self.decided.frozen.lock() {
+                if let Ok(mut f) = self.frozen.lock() {
                     f.insert(uid.to_string());
                 }
+                self.publish_count();
+                debug!(branch = %place.branch, "frozen");
                 let held = cgroup::memory_usage(&place.cgroups_path)
                     .unwrap_or(place.asks.memory_bytes)
                     .min(place.asks.memory_bytes);
-                self.admission.capacity.settle(
-                    uid,
-                    Requests {
-                        cpu_millis: 0,
-                        memory_bytes: held,
-                    },
-                );
-                self.metrics
-                    .frozen_branches
-                    .set(i64::try_from(self.decided.count()).unwrap_or(i64::MAX));
-                self.publish_capacity();
-                debug!(branch = %place.branch, "frozen");
+                Some(Requests {
+                    cpu_millis: 0,
+                    memory_bytes: held,
+                })
             }
-            Ok(false) => {}
+            Ok(false) => None,
             Err(e) => {
-                warn!(error = %e, branch = %place.branch, "could not freeze a decided branch")
+                warn!(error = %e, branch = %place.branch, "could not freeze a decided branch");
+                None
             }
         }
     }
 
     /// Thaws a frozen branch for its commit (waits for a person's look to end first).
-    pub(super) async fn thaw_branch(&self, uid: &str) -> Result<()> {
+    pub(super) async fn thaw(&self, uid: &str) -> Result<()> {
         // Gone already (destroyed): nothing is frozen.
-        let Some(place) = self.decided.place(uid).filter(|p| p.dir.exists()) else {
+        let Some(place) = self.place(uid).filter(|p| p.dir.exists()) else {
             return Ok(());
         };
         let dir = place.dir.clone();
         let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
             .await
             .map_err(|e| Error::Engine(EngineError::Join(e.to_string())))??;
-        freezer::resume(
-            self.engine.runsc(),
-            &place.ctx,
-            &place.dir,
-            &place.cgroups_path,
-        )
-        .await?;
-        if let Ok(mut f) = self.decided.frozen.lock() {
+        freezer::resume(&self.runsc, &place.ctx, &place.dir, &place.cgroups_path).await?;
+        if let Ok(mut f) = self.frozen.lock() {
             f.remove(uid);
         }
         Ok(())
     }
 
-    /// A winner is known: every other branch of the set on this node stops now, before
-    /// the API server hears of anything (the losers' deletions follow).
-    pub(super) async fn freeze_losers(&self, bs: &BranchSet) {
+    /// The branches of `bs` on this node other than its winner (none before it has one).
+    fn losers(&self, bs: &BranchSet) -> Vec<String> {
         let Some(winner) = bs.status.as_ref().and_then(|s| s.winner.clone()) else {
-            return;
+            return Vec::new();
         };
         let set = format!("{}/{}", bs.namespace().unwrap_or_default(), bs.name_any());
-        let losers: Vec<String> = self
-            .decided
-            .places
+        self.places
             .lock()
             .map(|p| {
                 p.iter()
@@ -213,7 +212,24 @@ impl Agent {
                     .map(|(u, _)| u.clone())
                     .collect()
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+}
+
+impl Agent {
+    /// Freezes a decided branch and gives what it no longer uses back to the node's
+    /// capacity.
+    pub(super) async fn freeze_branch(&self, uid: &str, depth: freezer::Depth) {
+        if let Some(held) = self.decided.freeze(uid, depth).await {
+            self.admission.capacity.settle(uid, held);
+            self.publish_capacity();
+        }
+    }
+
+    /// A winner is known: every other branch of the set on this node stops now, before
+    /// the API server hears of anything (the losers' deletions follow).
+    pub(super) async fn freeze_losers(&self, bs: &BranchSet) {
+        let losers = self.decided.losers(bs);
         futures::future::join_all(
             losers
                 .iter()

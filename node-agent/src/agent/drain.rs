@@ -48,11 +48,7 @@ impl Agent {
             }
             let why = rx.borrow_and_update().clone();
             info!(drain = ?why, "this node's drain changed");
-            let uids: Vec<String> = self
-                .handles
-                .lock()
-                .map(|m| m.keys().cloned().collect())
-                .unwrap_or_default();
+            let uids = self.held.uids();
             for uid in uids {
                 if let Ok(Some(rec)) = self.registry.sandbox(&uid) {
                     self.admission
@@ -115,7 +111,7 @@ impl Agent {
                     return Ok(None); // not running: reported as ended by the caller
                 };
                 if let Some(s) = &sb.suspended {
-                    let next = if self.cfg.remote.is_some() {
+                    let next = if self.remote.store().is_some() {
                         "it resumes on another node from the object store"
                     } else {
                         "with no object store, it resumes here once the drain ends"

@@ -174,7 +174,7 @@ impl Agent {
         sb: &mut LocalSandbox,
         s: Suspension,
     ) -> Suspension {
-        let Some(remote) = self.cfg.remote.clone().filter(|_| !s.remote) else {
+        let Some(remote) = self.remote.store().cloned().filter(|_| !s.remote) else {
             return s;
         };
         match self.upload_suspended(&remote, &s.image).await {

@@ -70,7 +70,7 @@ impl Agent {
         let st = snap.status.clone().unwrap_or_default();
         let name = snap.name_any();
         let from = st.node_name.clone().unwrap_or_default();
-        let Some(remote) = self.cfg.remote.as_ref() else {
+        let Some(remote) = self.remote.store() else {
             return Err(Error::Engine(EngineError::Snapshot {
                 id: name,
                 reason: format!(
@@ -91,7 +91,7 @@ impl Agent {
         let store = self.engine.store();
         // Once per node: the branches and the pool restoring it here wait for one
         // download.
-        let lock = self.uploads.download_lock(&format!("fetch:{uid}"));
+        let lock = self.remote.download_lock(&format!("fetch:{uid}"));
         let _held = lock.lock().await;
         if let Some(r) = self.registry.fetched(&uid)?
             && store.meta(&r.image_id).is_ok()
@@ -182,7 +182,7 @@ impl Agent {
             }
             // A warm pool kept here from it goes first: its branches restore from it.
             self.drop_pool_here(&rec.uid, &rec.name).await;
-            let lock = self.uploads.download_lock(&format!("fetch:{}", rec.uid));
+            let lock = self.remote.download_lock(&format!("fetch:{}", rec.uid));
             let _held = lock.lock().await;
             self.engine.store().remove(&rec.image_id)?;
             self.registry.remove_fetched(&rec.uid)?;

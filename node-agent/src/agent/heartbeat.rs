@@ -31,17 +31,7 @@ impl Agent {
     /// stop, it has nothing to wait for (a stale one would hold it for its grace
     /// period, as if the agent were down).
     pub(super) fn place(&self, uid: &str, pod: Option<&str>) {
-        let left = match self.placed_pods.lock() {
-            Ok(mut m) => {
-                let old = match pod {
-                    Some(p) => m.insert(uid.to_string(), p.to_string()),
-                    None => m.remove(uid),
-                };
-                old.filter(|o| Some(o.as_str()) != pod && !m.values().any(|v| v == o))
-            }
-            Err(_) => None,
-        };
-        if let Some(old) = left {
+        if let Some(old) = self.held.place(uid, pod) {
             let beat =
                 pod_volume_on_host(&self.cfg.kubelet_root_dir, &old).join(POD_HEARTBEAT_FILE);
             if let Err(e) = std::fs::remove_file(&beat)
@@ -53,10 +43,10 @@ impl Agent {
     }
 
     fn beat_once(&self) {
-        let pods: Vec<String> = match self.placed_pods.lock() {
-            Ok(m) => m.values().cloned().collect(),
-            Err(_) => return,
+        let Some(pods) = self.held.pods() else {
+            return;
         };
+        let pods: Vec<String> = pods.into_values().collect();
         for uid in pods {
             let volume = pod_volume_on_host(&self.cfg.kubelet_root_dir, &uid);
             // A Pod whose volume is gone is ending: nothing to tell it.

@@ -21,6 +21,7 @@ mod evicted;
 mod exit;
 mod fetch;
 mod heartbeat;
+mod held;
 pub mod images;
 pub mod lease;
 pub mod metrics;
@@ -47,8 +48,7 @@ pub mod writes;
 pub use branch_run::requested_effects;
 pub use start::{egress_of, workload_of};
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -93,7 +93,8 @@ pub struct AgentConfig {
     pub registries: ramify_image::RegistryConfig,
     /// Bytes the snapshot images of this node may add up to (0: no quota).
     pub snapshot_store_quota: u64,
-    /// The cluster's object store for snapshot images; None: images stay local.
+    /// The cluster's object store for snapshot images; None: images stay local. Taken
+    /// by the agent's object store tier (`snapshot_remote::RemoteTier`) when it starts.
     pub remote: Option<ramify_remote::RemoteStore>,
     /// How often each sandbox's usage is sampled (zero: never).
     pub usage_interval: Duration,
@@ -111,29 +112,17 @@ pub struct Agent {
     pub registry: Registry,
     pub metrics: AgentMetrics,
     recorder: Recorder,
-    /// Live local sandboxes by Sandbox object uid.
-    handles: Mutex<HashMap<String, Handle>>,
-    /// Cluster mode: the UID of the Pod each held sandbox was placed in, by Sandbox
-    /// uid (read without the handle's lock, which a branch run holds for long).
-    placed_pods: Mutex<HashMap<String, String>>,
+    /// The sandboxes held here: handles, Pods, reconcile slots, reports.
+    held: held::HeldSandboxes,
     /// Warm pools by Snapshot object uid.
     pools: pools::Pools<WarmPool>,
-    /// Branch runs in flight, by Sandbox uid; `true` sent when the branch is deleted
-    /// (its run and verdict commands are dropped: a loser goes at once).
-    runners: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
+    /// Branch runs in flight, and their "deleted" signals.
+    runners: branch_run::Runners,
     /// Unique per agent process: tells runs this process started from earlier ones.
     epoch: String,
     /// The controllers' watch caches (set by `run`), read before the API server on
     /// the fork's critical path.
     cache: std::sync::OnceLock<AgentCache>,
-    /// One reconcile at a time per Sandbox uid: two watches (bound here, and pinned
-    /// here by spec) can deliver the same sandbox.
-    in_flight: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
-    /// Sandboxes this process has reported Running: an older copy of the object (the
-    /// other watch may deliver one) must not make it report again, with less.
-    reported: Mutex<HashSet<String>>,
-    /// What a sandbox's Running report carries (its provenance), until it lands.
-    unreported: Mutex<HashMap<String, serde_json::Value>>,
     /// Capacity and restore slots of this node, starts in flight, deletions done.
     admission: admission::Admission,
     /// Branches of this node and which are frozen (decided, or lost).
@@ -145,8 +134,9 @@ pub struct Agent {
     images: images::Images,
     /// Wakes the sweep of fetched snapshot images (a branch restored from one went).
     fetched_kick: tokio::sync::Notify,
-    /// Background uploads of snapshot images to the object store, by Snapshot uid.
-    uploads: snapshot_remote::Uploads,
+    /// The object store tier: uploads of snapshot and suspended images, downloads of
+    /// lost ones.
+    remote: snapshot_remote::RemoteTier,
     /// What each held sandbox uses (gauges and `status.usage`).
     usage: usage::Usage,
 }
@@ -166,6 +156,25 @@ fn now() -> Time {
     Time(Timestamp::now())
 }
 
+/// Publishes an Event about `obj` as the node agent.
+async fn event_on(
+    recorder: &Recorder,
+    obj: &impl Resource<DynamicType = ()>,
+    warning: bool,
+    reason: &str,
+    note: String,
+) {
+    ramify_runtime::events::publish(
+        recorder,
+        &obj.object_ref(&()),
+        warning,
+        reason,
+        "NodeAgent",
+        note,
+    )
+    .await;
+}
+
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -179,7 +188,7 @@ impl Agent {
     pub fn new(
         client: Client,
         engine: Engine,
-        cfg: AgentConfig,
+        mut cfg: AgentConfig,
         registry: Registry,
         metrics: AgentMetrics,
     ) -> Self {
@@ -193,6 +202,15 @@ impl Agent {
         let admission = admission::Admission::new(cfg.allocatable, cfg.max_restores);
         let settler = backoff::settler(&cfg.node, recorder.clone());
         let images = images::Images::new(client.clone(), engine.clone(), cfg.registries.clone());
+        let remote = snapshot_remote::RemoteTier::new(
+            cfg.remote.take(),
+            engine.store().clone(),
+            client.clone(),
+            recorder.clone(),
+            metrics.clone(),
+        );
+        let decided = decided::Decided::new(engine.runsc().clone(), metrics.clone());
+        let held = held::HeldSandboxes::new(metrics.clone());
         let usage = usage::Usage::new(
             client.clone(),
             metrics.clone(),
@@ -204,77 +222,38 @@ impl Agent {
             engine,
             cfg,
             admission,
-            decided: decided::Decided::default(),
+            decided,
             registry,
             metrics,
             recorder,
-            handles: Mutex::new(HashMap::new()),
-            placed_pods: Mutex::new(HashMap::new()),
+            held,
             pools: pools::Pools::default(),
-            runners: Mutex::new(HashMap::new()),
+            runners: branch_run::Runners::default(),
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),
-            in_flight: Mutex::new(HashMap::new()),
-            reported: Mutex::new(HashSet::new()),
-            unreported: Mutex::new(HashMap::new()),
             settler,
             images,
             fetched_kick: tokio::sync::Notify::new(),
-            uploads: snapshot_remote::Uploads::default(),
+            remote,
             usage,
         }
     }
 
-    fn mark_reported(&self, uid: &str) {
-        if let Ok(mut u) = self.unreported.lock() {
-            u.remove(uid);
-        }
-        if let Ok(mut r) = self.reported.lock() {
-            r.insert(uid.to_string());
-        }
-    }
-
-    /// Forgets what this process noted of a sandbox it no longer holds (deleted, or
-    /// moved to another node): its reconcile slot and whether it was reported.
-    fn forget_uid(&self, uid: &str) {
-        if let Ok(mut m) = self.in_flight.lock() {
-            m.remove(uid);
-        }
-        if let Ok(mut r) = self.reported.lock() {
-            r.remove(uid);
-        }
-        if let Ok(mut u) = self.unreported.lock() {
-            u.remove(uid);
-        }
-    }
-
     fn handle(&self, uid: &str) -> Option<Handle> {
-        self.handles.lock().ok()?.get(uid).cloned()
+        self.held.get(uid)
     }
 
     fn insert_handle(&self, uid: &str, sb: LocalSandbox) -> Handle {
         if let Some(pod) = &sb.placed.pod {
             self.place(uid, Some(&pod.uid));
         }
-        let h: Handle = Arc::new(AsyncMutex::new(Some(sb)));
-        if let Ok(mut m) = self.handles.lock() {
-            m.insert(uid.to_string(), h.clone());
-            self.metrics
-                .sandboxes
-                .set(i64::try_from(m.len()).unwrap_or(i64::MAX));
-        }
-        h
+        self.held.insert(uid, sb)
     }
 
     fn take_handle(&self, uid: &str) -> Option<Handle> {
         self.place(uid, None);
         self.usage.forget(uid);
-        let mut m = self.handles.lock().ok()?;
-        let h = m.remove(uid);
-        self.metrics
-            .sandboxes
-            .set(i64::try_from(m.len()).unwrap_or(i64::MAX));
-        h
+        self.held.take(uid)
     }
 
     async fn event(
@@ -284,15 +263,7 @@ impl Agent {
         reason: &str,
         note: String,
     ) {
-        ramify_runtime::events::publish(
-            &self.recorder,
-            &obj.object_ref(&()),
-            warning,
-            reason,
-            "NodeAgent",
-            note,
-        )
-        .await;
+        event_on(&self.recorder, obj, warning, reason, note).await;
     }
 
     /// A cleanup step for `obj` that failed for good: logged with the object, counted.

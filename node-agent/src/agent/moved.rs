@@ -50,7 +50,7 @@ impl Agent {
             return Ok(Action::requeue(Duration::from_secs(5)));
         }
         let local = self.engine.store().meta(&susp.image).is_ok();
-        let remote = self.cfg.remote.clone();
+        let remote = self.remote.store().cloned();
         if !local && remote.is_none() {
             let message = format!(
                 "suspended on node {} and bound to node {}, which has no object store to download its image from",
@@ -220,7 +220,7 @@ impl Agent {
         if let Err(e) = self.registry.remove_sandbox(uid) {
             warn!(uid, error = %e, "removing a moved sandbox's record failed");
         }
-        self.forget_uid(uid);
+        self.held.forget(uid);
         self.admission.release(uid);
         self.publish_capacity();
     }
@@ -247,15 +247,11 @@ impl Agent {
             .filter_map(|o| o.0.as_ref().ok().and_then(|s| s.uid()))
             .collect();
         let held: Vec<(String, super::Handle)> = self
-            .handles
-            .lock()
-            .map(|m| {
-                m.iter()
-                    .filter(|(u, _)| !seen.contains(*u))
-                    .map(|(u, h)| (u.clone(), h.clone()))
-                    .collect()
-            })
-            .unwrap_or_default();
+            .held
+            .all()
+            .into_iter()
+            .filter(|(u, _)| !seen.contains(u))
+            .collect();
         for (uid, h) in held {
             // Busy (a commit, a resume): not a suspended sandbox at rest.
             let suspended = h

@@ -334,7 +334,7 @@ impl Agent {
     /// Pod is the one it was placed in, found by UID: after a Full commit a parent runs
     /// in the winner's Pod, whose name is the winner's.
     pub(super) fn pod_gone(&self, obj: &SandboxObj, uid: &str) -> Option<PodGone> {
-        let placed_uid = self.placed_pods.lock().ok()?.get(uid).cloned()?;
+        let placed_uid = self.held.pod_of(uid)?;
         let store = self.pods_synced()?;
         let pod = store
             .state()
@@ -361,7 +361,7 @@ impl Agent {
         let Some(store) = self.pods_synced() else {
             return true; // not known yet: wait for the list
         };
-        let Ok(placed) = self.placed_pods.lock() else {
+        let Some(placed) = self.held.pods() else {
             return true;
         };
         store.state().iter().any(|p| {
@@ -397,11 +397,7 @@ impl Agent {
         why: PodGone,
     ) -> Result<Action> {
         // A branch run lets go of the sandbox at once.
-        if let Ok(r) = self.runners.lock()
-            && let Some(stop) = r.get(uid)
-        {
-            stop.send_replace(true);
-        }
+        self.runners.stop(uid);
         let mut guard = h.lock().await;
         let Some(sb) = guard.as_ref() else {
             return Ok(Action::await_change());
@@ -435,7 +431,7 @@ impl Agent {
         *guard = None;
         drop(guard);
         self.take_handle(uid);
-        self.forget_branch(uid);
+        self.decided.forget(uid);
         self.admission.capacity.leave(uid);
         self.publish_capacity();
         Ok(Action::await_change())

@@ -93,9 +93,9 @@ impl Agent {
                     if let Some(obj) = listed.get(&uid) {
                         // It holds its request; a decided branch is frozen again.
                         self.readopt(obj, &uid);
-                        self.remember_branch(&uid, obj, &sb);
+                        self.decided.remember(&uid, obj, &sb);
                     }
-                    let decided = rec.outcome.as_ref().map(Self::depth_for);
+                    let decided = rec.outcome.as_ref().map(super::decided::Decided::depth_for);
                     self.insert_handle(&uid, sb);
                     if let Some(depth) = decided {
                         self.freeze_branch(&uid, depth).await;

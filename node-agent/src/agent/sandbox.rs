@@ -138,16 +138,13 @@ impl Agent {
             return Ok(Action::await_change());
         }
         let slot = self
-            .in_flight
-            .lock()
-            .map_err(|_| Error::Engine(EngineError::Join("in-flight lock poisoned".into())))?
-            .entry(uid.clone())
-            .or_default()
-            .clone();
+            .held
+            .reconcile_slot(&uid)
+            .ok_or_else(|| Error::Engine(EngineError::Join("in-flight lock poisoned".into())))?;
         let _serial = slot.lock().await;
         let res = self.reconcile_mine(obj, &uid).await;
         if obj.metadata.deletion_timestamp.is_some() && res.is_ok() {
-            self.forget_uid(&uid);
+            self.held.forget(&uid);
         }
         res
     }
@@ -185,14 +182,10 @@ impl Agent {
             // From here on nothing is started for it again, whatever copy of the
             // object a lagging watch still delivers; and no freeze targets it.
             self.admission.bury(&uid);
-            self.forget_branch(&uid);
+            self.decided.forget(&uid);
             // A branch run holds the sandbox while its command runs: drop it now, so
             // a loser is destroyed at once rather than when its command ends.
-            if let Ok(r) = self.runners.lock()
-                && let Some(deleted) = r.get(&uid)
-            {
-                deleted.send_replace(true);
-            }
+            self.runners.stop(&uid);
             match self.take_handle(&uid) {
                 Some(h) => {
                     // A branch run lets go of it at once (dropped above); a commit in
@@ -406,23 +399,14 @@ impl Agent {
             self.publish_capacity();
             return Ok(Action::await_change());
         }
-        let reported = self
-            .reported
-            .lock()
-            .map(|r| r.contains(uid))
-            .unwrap_or(false);
+        let reported = self.held.is_reported(uid);
         if running
             && !reported
             && status.phase != SandboxPhase::Running
             && status.phase != SandboxPhase::Paused
         {
             // Re-adopted after a restart, or its first report did not land.
-            let extra = self
-                .unreported
-                .lock()
-                .ok()
-                .and_then(|u| u.get(uid).cloned())
-                .unwrap_or_else(|| json!({}));
+            let extra = self.held.report_of(uid);
             self.write_sandbox_status(
                 obj,
                 SandboxPhase::Running,
@@ -431,7 +415,7 @@ impl Agent {
                 extra,
             )
             .await?;
-            self.mark_reported(uid);
+            self.held.mark_reported(uid);
         }
         drop(guard);
         if let Some(branch) = obj
@@ -440,11 +424,7 @@ impl Agent {
             .as_ref()
             .and_then(|r| r.branch.clone())
             && status.branch.as_ref().and_then(|b| b.verdict).is_none()
-            && !self
-                .runners
-                .lock()
-                .map(|r| r.contains_key(uid))
-                .unwrap_or(true)
+            && !self.runners.is_running(uid)
         {
             let rec = self.registry.sandbox(uid)?;
             let recorded = rec.as_ref().and_then(|r| r.outcome.clone());
@@ -452,7 +432,8 @@ impl Agent {
             if let Some(outcome) = recorded {
                 // Decided, but the report did not land (API outage, or a crash in
                 // between): send it again (frozen meanwhile).
-                self.freeze_branch(uid, Self::depth_for(&outcome)).await;
+                self.freeze_branch(uid, super::decided::Decided::depth_for(&outcome))
+                    .await;
                 let api: Api<SandboxObj> =
                     Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
                 self.report_outcome(&api, &obj.name_any(), &outcome).await?;

@@ -66,7 +66,7 @@ impl Agent {
             }
             return Ok(None);
         };
-        let remote = self.cfg.remote.clone().ok_or_else(|| {
+        let remote = self.remote.store().cloned().ok_or_else(|| {
             Error::Engine(EngineError::Invalid(format!(
                 "winner {} ran on node {} and node {} has no object store to fetch it from",
                 winner.name_any(),
@@ -190,7 +190,7 @@ impl Agent {
             self.report_shipped(obj, &shipped).await?;
             return Ok(Some(Action::await_change()));
         }
-        let remote = self.cfg.remote.clone().ok_or_else(|| {
+        let remote = self.remote.store().cloned().ok_or_else(|| {
             Error::Engine(EngineError::Invalid(format!(
                 "asked to ship winner {} to its parent's node, and node {} has no object store",
                 obj.name_any(),
@@ -205,7 +205,7 @@ impl Agent {
         ramify_engine::fault::hold(ramify_engine::fault::SHIP_ASKED).await;
         let t0 = Instant::now();
         // Decided, so paused: a checkpoint needs it running.
-        self.thaw_branch(uid).await?;
+        self.decided.thaw(uid).await?;
         let captured = self.engine.snapshot(sb, None).await;
         if let Err(e) = self.engine.persist(sb) {
             warn!(error = %e, "recording the shipped winner failed");

@@ -35,7 +35,7 @@ impl Agent {
                 self.cleanup_failed(snap, "close warm pool", &e);
             }
             self.admission.capacity.leave(&admission::pool_key(&uid));
-            self.remove_remote(snap).await?;
+            self.remote.remove_remote(snap).await?;
             if let Some(rec) = self.registry.snapshot(&uid)? {
                 self.engine.store().remove(&rec.image_id)?;
                 self.registry.remove_snapshot(&uid)?;
@@ -59,7 +59,7 @@ impl Agent {
                     .await?;
             }
             // In the background, after Ready (also resumed after a restart).
-            self.ensure_uploaded(snap, &rec);
+            self.remote.ensure_uploaded(snap, &rec);
             return self.keep_pool(snap, &uid, &rec).await;
         }
         if matches!(status.phase, SnapshotPhase::Failed | SnapshotPhase::Expired) {
@@ -218,7 +218,7 @@ impl Agent {
                 // Its branches need the snapshot's image on the node (by digest), and
                 // its checkpoint (from the object store if this node lost it).
                 self.images.ensure_snapshot_image(&[], snap).await?;
-                self.ensure_local_image(snap, rec).await?;
+                self.remote.ensure_local_image(snap, rec).await?;
                 let pool = self.engine.warm_pool_gated(
                     &rec.image_id,
                     want,
@@ -290,7 +290,7 @@ impl Agent {
         }
         if !self.pools.has(uid) {
             self.images.ensure_snapshot_image(&[], snap).await?;
-            self.ensure_local_image(snap, rec).await?;
+            self.remote.ensure_local_image(snap, rec).await?;
             let ns = snap.namespace().unwrap_or_default();
             let supply = super::pods::PoolPods {
                 store,

@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use super::registry::SnapshotRecord;
-use super::{Agent, now, writes};
+use super::{now, writes};
 use crate::error::{EngineError, Error, Result};
 use ramify_engine::store::SnapshotStore;
 use ramify_remote::RemoteStore;
@@ -28,15 +28,44 @@ use ramify_remote::RemoteStore;
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const MAX_RETRY: Duration = Duration::from_secs(60);
 
-/// Uploads in flight by Snapshot uid, and one lock per image for downloads (two
-/// restores of one lost image download it once).
-#[derive(Default)]
-pub(super) struct Uploads {
+/// The object store tier of this node: the store (if the cluster has one), the
+/// uploads in flight by Snapshot uid (or `suspended/<image>`), and one lock per image
+/// for downloads (two restores of one lost image download it once). It writes a
+/// Snapshot's `status.storage` and its Events itself, with its own client.
+pub(super) struct RemoteTier {
+    remote: Option<RemoteStore>,
+    local: SnapshotStore,
+    client: kube::Client,
+    recorder: Recorder,
+    metrics: super::metrics::AgentMetrics,
     running: Mutex<HashMap<String, JoinHandle<()>>>,
     downloads: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
 }
 
-impl Uploads {
+impl RemoteTier {
+    pub(super) fn new(
+        remote: Option<RemoteStore>,
+        local: SnapshotStore,
+        client: kube::Client,
+        recorder: Recorder,
+        metrics: super::metrics::AgentMetrics,
+    ) -> Self {
+        RemoteTier {
+            remote,
+            local,
+            client,
+            recorder,
+            metrics,
+            running: Mutex::default(),
+            downloads: Mutex::default(),
+        }
+    }
+
+    /// The cluster's object store, if it has one.
+    pub(super) fn store(&self) -> Option<&RemoteStore> {
+        self.remote.as_ref()
+    }
+
     /// Once per Snapshot and process: a running upload retries by itself, and one
     /// refused for good (reported in an Event) is not tried again until the agent
     /// restarts (a success shows in status, which stops the next reconcile's call).
@@ -58,6 +87,115 @@ impl Uploads {
             .lock()
             .map(|mut m| m.entry(image.to_string()).or_default().clone())
             .unwrap_or_default()
+    }
+
+    async fn event(&self, snap: &SnapshotObj, warning: bool, reason: &str, note: String) {
+        super::event_on(&self.recorder, snap, warning, reason, note).await;
+    }
+
+    /// Starts the upload of a Ready Snapshot's image unless its status says it is in
+    /// the store or one runs already. Never waits for it.
+    pub(super) fn ensure_uploaded(&self, snap: &SnapshotObj, rec: &SnapshotRecord) {
+        let Some(remote) = self.remote.clone() else {
+            return;
+        };
+        if is_remote(snap) {
+            return;
+        }
+        let uid = snap.uid().unwrap_or_default();
+        self.start_once(&uid, || {
+            let job = UploadJob {
+                remote,
+                local: self.local.clone(),
+                api: Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default()),
+                recorder: self.recorder.clone(),
+                reference: snap.object_ref(&()),
+                name: snap.name_any(),
+                image_id: rec.image_id.clone(),
+                metrics: self.metrics.clone(),
+            };
+            tokio::spawn(job.run())
+        });
+    }
+
+    /// A deleted (or expired) Snapshot: its upload stops and its remote copy goes.
+    /// A store that is down fails this, and the deletion is retried.
+    pub(super) async fn remove_remote(&self, snap: &SnapshotObj) -> Result<()> {
+        self.cancel(&snap.uid().unwrap_or_default());
+        let (Some(remote), Some(sha)) = (
+            &self.remote,
+            snap.status.as_ref().and_then(|s| s.sha256.as_deref()),
+        ) else {
+            return Ok(());
+        };
+        let removed = remote.delete(sha).await?;
+        info!(snapshot = %snap.name_any(), image = sha, blobs = removed.len(), "remote copy removed");
+        Ok(())
+    }
+
+    /// Before a restore from `snap` on this node: when its local image is gone and
+    /// its status says it is in the store, download it (every file's sha256 checked;
+    /// a corrupt object is refused and nothing of it stays).
+    pub(super) async fn ensure_local_image(
+        &self,
+        snap: &SnapshotObj,
+        rec: &SnapshotRecord,
+    ) -> Result<()> {
+        let store = &self.local;
+        if store.meta(&rec.image_id).is_ok() {
+            return Ok(());
+        }
+        let (Some(remote), Some(sha)) = (
+            &self.remote,
+            snap.status.as_ref().and_then(|s| s.sha256.clone()),
+        ) else {
+            return Ok(());
+        };
+        if !is_remote(snap) {
+            return Ok(());
+        }
+        let lock = self.download_lock(&rec.image_id);
+        let _held = lock.lock().await;
+        if store.meta(&rec.image_id).is_ok() {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        match remote.download(store, &sha).await {
+            Ok(r) if r.meta.id == rec.image_id => {
+                self.metrics.transferred(
+                    "download",
+                    "snapshot",
+                    t0.elapsed().as_secs_f64(),
+                    r.meta.size_bytes,
+                );
+                self.event(
+                    snap,
+                    false,
+                    "Downloaded",
+                    format!(
+                        "local image was gone: downloaded from the object store and verified ({} bytes)",
+                        r.meta.size_bytes
+                    ),
+                )
+                .await;
+                Ok(())
+            }
+            Ok(r) => {
+                store.remove(&r.meta.id)?;
+                Err(Error::Engine(EngineError::Snapshot {
+                    id: rec.image_id.clone(),
+                    reason: format!("the object store's image {sha} is image {}", r.meta.id),
+                }))
+            }
+            Err(e) => {
+                let e = Error::from(e);
+                if e.is_permanent() {
+                    self.event(snap, true, "RemoteImageRefused", e.to_string())
+                        .await;
+                }
+                Err(e)
+            }
+        }
     }
 }
 
@@ -168,111 +306,4 @@ fn is_remote(snap: &SnapshotObj) -> bool {
         .as_ref()
         .and_then(|s| s.storage.as_ref())
         .is_some_and(|s| s.remote)
-}
-
-impl Agent {
-    /// Starts the upload of a Ready Snapshot's image unless its status says it is in
-    /// the store or one runs already. Never waits for it.
-    pub(super) fn ensure_uploaded(&self, snap: &SnapshotObj, rec: &SnapshotRecord) {
-        let Some(remote) = self.cfg.remote.clone() else {
-            return;
-        };
-        if is_remote(snap) {
-            return;
-        }
-        let uid = snap.uid().unwrap_or_default();
-        self.uploads.start_once(&uid, || {
-            let job = UploadJob {
-                remote,
-                local: self.engine.store().clone(),
-                api: Api::namespaced(self.client.clone(), &snap.namespace().unwrap_or_default()),
-                recorder: self.recorder.clone(),
-                reference: snap.object_ref(&()),
-                name: snap.name_any(),
-                image_id: rec.image_id.clone(),
-                metrics: self.metrics.clone(),
-            };
-            tokio::spawn(job.run())
-        });
-    }
-
-    /// A deleted (or expired) Snapshot: its upload stops and its remote copy goes.
-    /// A store that is down fails this, and the deletion is retried.
-    pub(super) async fn remove_remote(&self, snap: &SnapshotObj) -> Result<()> {
-        self.uploads.cancel(&snap.uid().unwrap_or_default());
-        let (Some(remote), Some(sha)) = (
-            &self.cfg.remote,
-            snap.status.as_ref().and_then(|s| s.sha256.as_deref()),
-        ) else {
-            return Ok(());
-        };
-        let removed = remote.delete(sha).await?;
-        info!(snapshot = %snap.name_any(), image = sha, blobs = removed.len(), "remote copy removed");
-        Ok(())
-    }
-
-    /// Before a restore from `snap` on this node: when its local image is gone and
-    /// its status says it is in the store, download it (every file's sha256 checked;
-    /// a corrupt object is refused and nothing of it stays).
-    pub(super) async fn ensure_local_image(
-        &self,
-        snap: &SnapshotObj,
-        rec: &SnapshotRecord,
-    ) -> Result<()> {
-        let store = self.engine.store();
-        if store.meta(&rec.image_id).is_ok() {
-            return Ok(());
-        }
-        let (Some(remote), Some(sha)) = (
-            &self.cfg.remote,
-            snap.status.as_ref().and_then(|s| s.sha256.clone()),
-        ) else {
-            return Ok(());
-        };
-        if !is_remote(snap) {
-            return Ok(());
-        }
-        let lock = self.uploads.download_lock(&rec.image_id);
-        let _held = lock.lock().await;
-        if store.meta(&rec.image_id).is_ok() {
-            return Ok(());
-        }
-        let t0 = std::time::Instant::now();
-        match remote.download(store, &sha).await {
-            Ok(r) if r.meta.id == rec.image_id => {
-                self.metrics.transferred(
-                    "download",
-                    "snapshot",
-                    t0.elapsed().as_secs_f64(),
-                    r.meta.size_bytes,
-                );
-                self.event(
-                    snap,
-                    false,
-                    "Downloaded",
-                    format!(
-                        "local image was gone: downloaded from the object store and verified ({} bytes)",
-                        r.meta.size_bytes
-                    ),
-                )
-                .await;
-                Ok(())
-            }
-            Ok(r) => {
-                store.remove(&r.meta.id)?;
-                Err(Error::Engine(EngineError::Snapshot {
-                    id: rec.image_id.clone(),
-                    reason: format!("the object store's image {sha} is image {}", r.meta.id),
-                }))
-            }
-            Err(e) => {
-                let e = Error::from(e);
-                if e.is_permanent() {
-                    self.event(snap, true, "RemoteImageRefused", e.to_string())
-                        .await;
-                }
-                Err(e)
-            }
-        }
-    }
 }

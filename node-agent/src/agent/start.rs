@@ -217,11 +217,9 @@ impl Agent {
         // Held from here on: if the report below fails (an API-server outage), the
         // retry finds the sandbox and reports it; it never starts a second one.
         let running_as = format!("running as {}", sb.id);
-        self.remember_branch(uid, obj, &sb);
+        self.decided.remember(uid, obj, &sb);
         let h = self.insert_handle(uid, sb);
-        if let Ok(mut u) = self.unreported.lock() {
-            u.insert(uid.to_string(), extra.clone());
-        }
+        self.held.to_report(uid, extra.clone());
         {
             let g = h.lock().await;
             self.write_sandbox_status(
@@ -233,7 +231,7 @@ impl Agent {
             )
             .await?;
         }
-        self.mark_reported(uid);
+        self.held.mark_reported(uid);
         if let Some(branch) = obj
             .spec
             .restore_from
@@ -406,7 +404,7 @@ impl Agent {
                         .ensure_snapshot_image(&obj.spec.image_pull_secrets, &snap)
                         .await?;
                     // Its checkpoint too, from the object store if this node lost it.
-                    self.ensure_local_image(&snap, &rec).await?;
+                    self.remote.ensure_local_image(&snap, &rec).await?;
                 }
                 let restore = self.engine.fork_one_in(
                     &rec.image_id,

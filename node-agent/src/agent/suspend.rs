@@ -44,7 +44,7 @@ impl Agent {
                 {
                     self.report_suspended(obj, sb, &s).await?;
                 }
-                if self.cfg.remote.is_some() && !s.remote {
+                if self.remote.store().is_some() && !s.remote {
                     // A restarted agent resumes the upload; looked at again until done.
                     self.upload_suspension(obj, uid, &s);
                     return Ok(Some(Action::requeue(Duration::from_secs(5))));
@@ -91,7 +91,7 @@ impl Agent {
                     suspended_message(&self.cfg.node, &s),
                 )
                 .await;
-                if self.cfg.remote.is_some() {
+                if self.remote.store().is_some() {
                     self.upload_suspension(obj, uid, &s);
                     return Ok(Some(Action::requeue(Duration::from_secs(5))));
                 }
@@ -210,12 +210,12 @@ impl Agent {
     /// (once per image and process; retried with backoff while the store is down), and
     /// records the copy in the sandbox's record; the next look reports it.
     pub(super) fn upload_suspension(self: &Arc<Self>, obj: &SandboxObj, uid: &str, s: &Suspension) {
-        let Some(remote) = self.cfg.remote.clone() else {
+        let Some(remote) = self.remote.store().cloned() else {
             return;
         };
         let (agent, image, uid, obj) =
             (self.clone(), s.image.clone(), uid.to_string(), obj.clone());
-        self.uploads.start_once(&format!("suspended/{image}"), move || {
+        self.remote.start_once(&format!("suspended/{image}"), move || {
             tokio::spawn(async move {
                 let mut wait = Duration::from_secs(1);
                 loop {
@@ -287,7 +287,7 @@ impl Agent {
         if store.meta(&s.image).is_ok() {
             return Ok(());
         }
-        let Some(remote) = self.cfg.remote.as_ref().filter(|_| s.remote) else {
+        let Some(remote) = self.remote.store().filter(|_| s.remote) else {
             // Nothing can bring it back: permanent.
             return Err(Error::Engine(EngineError::ImageLost {
                 id: s.image.clone(),
@@ -308,7 +308,7 @@ impl Agent {
         sha256: &str,
     ) -> Result<()> {
         let store = self.engine.store();
-        let lock = self.uploads.download_lock(image);
+        let lock = self.remote.download_lock(image);
         let _held = lock.lock().await;
         if store.meta(image).is_ok() {
             return Ok(()); // another restore downloaded it meanwhile
@@ -346,7 +346,7 @@ impl Agent {
 
     /// Removes suspended image `image`'s copy (`sha256`) from the object store.
     pub(super) async fn drop_remote_copy(&self, image: &str, sha256: &str) {
-        let Some(remote) = self.cfg.remote.as_ref() else {
+        let Some(remote) = self.remote.store() else {
             return;
         };
         if let Err(e) = remote.delete(sha256).await {
@@ -428,7 +428,7 @@ impl Agent {
             message.clone(),
         )
         .await?;
-        self.mark_reported(uid);
+        self.held.mark_reported(uid);
         self.event(obj, false, REASON_RESUMED, message).await;
         Ok(())
     }

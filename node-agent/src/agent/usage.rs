@@ -244,10 +244,7 @@ impl Agent {
 
     /// The sandboxes this node holds, with their objects.
     fn held_for_usage(&self) -> Vec<Held> {
-        let handles: Vec<(String, super::Handle)> = match self.handles.lock() {
-            Ok(m) => m.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            Err(_) => return Vec::new(),
-        };
+        let handles = self.held.all();
         let mut objects = self.held_objects();
         handles
             .into_iter()
