@@ -35,6 +35,7 @@ use crate::common::{Condition, EnvVar};
     validation = Rule::new("has(self.restoreFrom) || has(self.image) || (has(self.command) && size(self.command) > 0)").message("spec.command must not be empty unless spec.restoreFrom is set (a restored sandbox continues its snapshotted processes) or spec.image is (its config supplies the command)").field_path(".command"),
     validation = Rule::new("has(self.restoreFrom) == has(oldSelf.restoreFrom) && (!has(self.restoreFrom) || self.restoreFrom == oldSelf.restoreFrom)").message("spec.restoreFrom is immutable").field_path(".restoreFrom"),
     validation = Rule::new("!has(self.suspended) || !self.suspended || !has(self.restoreFrom) || !has(self.restoreFrom.branch)").message("spec.suspended cannot be set on a branch of a BranchSet (its run decides it; suspend the workspace it was forked from instead)").field_path(".suspended"),
+    validation = Rule::new("!has(self.idleSuspendSeconds) || !has(self.restoreFrom) || !has(self.restoreFrom.branch)").message("spec.idleSuspendSeconds cannot be set on a branch of a BranchSet (it runs to its verdict; set it on the workspace it was forked from)").field_path(".idleSuspendSeconds"),
     validation = Rule::new("has(self.pod) == has(oldSelf.pod) && (!has(self.pod) || self.pod == oldSelf.pod)").message("spec.pod is immutable (a Pod's placement cannot change; create a new Sandbox)").field_path(".pod"),
     validation = Rule::new("has(self.image) == has(oldSelf.image) && (!has(self.image) || self.image == oldSelf.image) && has(self.rootfs) == has(oldSelf.rootfs) && (!has(self.rootfs) || self.rootfs == oldSelf.rootfs)").message("spec.image and spec.rootfs are immutable").field_path(".rootfs"),
 )]
@@ -115,6 +116,13 @@ pub struct SandboxSpec {
     /// suspended sandbox is taken from that image without waking it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub suspended: bool,
+    /// Suspend the sandbox by itself after this many seconds without activity (no
+    /// exec, no console output), as `suspended: true` does (its memory is kept in an
+    /// image on the node); an exec wakes it where it left off. `Suspended` says
+    /// `Idle` meanwhile. A branch of a BranchSet never idle-suspends. Unset: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 10, max = 2592000))]
+    pub idle_suspend_seconds: Option<u32>,
     /// Cluster mode only: the placement and labels of the Pod backing this sandbox
     /// (node selector, tolerations, affinity, priority class, labels, annotations).
     /// Immutable.
@@ -352,6 +360,9 @@ pub const ANNOTATION_CORDONED: &str = "ramify.dev/cordoned";
 pub const ANNOTATION_SHIP: &str = "ramify.dev/ship";
 /// Reason of `Suspended=True` (and an Event) for a workspace suspended by a drain.
 pub const REASON_DRAINED: &str = "Drained";
+/// Reason of `Suspended=True` (and an Event) for a workspace that suspended itself
+/// after `spec.idleSuspendSeconds` without activity; an exec wakes it.
+pub const REASON_IDLE: &str = "Idle";
 /// Reason of `Ready=False` while a branch on another node than its snapshot's waits for
 /// the snapshot's upload to the object store (then downloads it).
 pub const REASON_AWAITING_UPLOAD: &str = "AwaitingUpload";

@@ -300,6 +300,16 @@ fn invalid_cases() -> Vec<Invalid> {
                 expect: &["spec.suspended", "cannot be set on a branch"],
             },
             Invalid {
+                what: "a branch asked to idle-suspend",
+                yaml: "  rootfs: {class: r}\n  restoreFrom: {snapshot: s, branch: {branchSet: bs, name: b0, index: 0}}\n  idleSuspendSeconds: 60\n",
+                expect: &["spec.idleSuspendSeconds", "cannot be set on a branch"],
+            },
+            Invalid {
+                what: "an idle time too short",
+                yaml: "  rootfs: {class: r}\n  command: [sh]\n  idleSuspendSeconds: 1\n",
+                expect: &["spec.idleSuspendSeconds", "greater than or equal to 10"],
+            },
+            Invalid {
                 what: "egress Allow without destinations",
                 yaml: "  rootfs: {class: r}\n  command: [sh]\n  network: {egress: Allow}\n",
                 expect: &["spec.network.allow", "lists destinations"],

@@ -729,3 +729,75 @@ async fn a_cordoned_node_drains_its_workspace_and_takes_work_again_once_uncordon
     nodes.delete(&home, &DeleteParams::default()).await.unwrap();
     sys.teardown_and_check_clean().await;
 }
+
+/// `spec.idleSuspendSeconds`: a workspace that prints nothing and gets no exec for that
+/// long suspends itself (`Suspended` reason `Idle`, an Event, nothing of it running);
+/// an exec through the API (`kubectl ramify exec`) wakes it where it left off, its
+/// memory whole, and runs; an exec keeps it awake meanwhile.
+#[tokio::test]
+async fn an_idle_workspace_suspends_itself_and_an_exec_wakes_it_with_its_memory() {
+    let _serial = SERIAL.lock().await;
+    let sys = System::start("suspend-idle").await;
+    let _api = sys.start_api();
+    // Its state is in memory: a file in its tmpfs and a shell variable (the random
+    // value it keeps re-writing); it prints nothing.
+    let script = "v=$(head -c 16 /dev/urandom | md5sum | cut -c1-32); while :; do echo $v > /tmp/state; sleep 1; done";
+    let yaml = sys.sandbox_with("idle", script, "{cpu: 500m, memory: 128Mi}")
+        + "  idleSuspendSeconds: 10\n";
+    sys.apply(&yaml);
+    let s = sys.wait_running("idle").await;
+    let id = s.status.unwrap().sandbox_id.unwrap();
+    let state = loop {
+        let (code, out, _) = sys.plugin(&["exec", "idle", "--", "cat", "/tmp/state"]);
+        if code == 0 && out.trim().len() == 32 {
+            break out.trim().to_string();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+
+    // Idle 10 s after that exec (looked at every 10 s): suspended, saying why.
+    let t = Instant::now();
+    let s = sys
+        .wait_sandbox("idle", "suspended for idleness", 60, |s| {
+            phase(s) == Some(SandboxPhase::Suspended)
+                && suspended_condition(s).is_some_and(|c| {
+                    c.0 == ConditionStatus::True && c.1 == ramify_crds::REASON_IDLE
+                })
+        })
+        .await;
+    let idle_after = t.elapsed();
+    assert!(
+        idle_after >= Duration::from_secs(8),
+        "suspended {idle_after:?} after an exec"
+    );
+    let (_, _, message) = suspended_condition(&s).unwrap();
+    assert!(message.contains("idle for 10 s"), "{message}");
+    sys.event("idle", ramify_crds::REASON_IDLE).await;
+    let left = processes_of(&id);
+    assert!(left.is_empty(), "processes of the idle sandbox: {left:#?}");
+    println!("idle-suspended {idle_after:?} after the last exec: {message}");
+
+    // An exec wakes it where it left off: the same state, from memory.
+    let t = Instant::now();
+    let (code, out, err) = sys.plugin(&["exec", "idle", "--", "cat", "/tmp/state"]);
+    assert_eq!(
+        code,
+        0,
+        "the waking exec: {out}{err}\n{}",
+        sys.diagnostics()
+    );
+    assert_eq!(out.trim(), state, "woke with other memory");
+    println!("an exec woke it and ran in {:?}", t.elapsed());
+    wait_resumed(&sys, "idle").await;
+
+    // A long exec keeps it awake past its idle time.
+    let (code, _, err) = sys.plugin(&["exec", "idle", "--", "sleep", "15"]);
+    assert_eq!(code, 0, "{err}");
+    let s = sys.sandboxes().get("idle").await.unwrap();
+    assert_eq!(
+        phase(&s),
+        Some(SandboxPhase::Running),
+        "suspended during an exec"
+    );
+    sys.teardown_and_check_clean().await;
+}

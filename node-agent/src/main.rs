@@ -612,8 +612,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let (drain_tx, drain) = tokio::sync::watch::channel(asked.or(cordon));
             tokio::spawn(lease::heartbeat(client.clone(), announcement, drain_tx));
             let registry = Registry::open(state.state_dir.join("registry"))?;
+            let activity = Arc::new(agent::idle::Activity::default());
             if let Some(ep) = endpoint {
-                tokio::spawn(ep.serve(engine.clone(), registry.clone()));
+                tokio::spawn(ep.serve(engine.clone(), registry.clone(), activity.clone()));
             }
             let agent = Arc::new(Agent::new(
                 client,
@@ -633,6 +634,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     remote: object_store.remote()?,
                     usage_interval: std::time::Duration::from_secs(usage_interval_seconds),
                     usage_write_every: std::time::Duration::from_secs(usage_write_every_seconds),
+                    activity,
                 },
                 registry,
                 metrics,

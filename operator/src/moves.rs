@@ -21,7 +21,8 @@ use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use ramify_crds::capacity::{CONDITION_SCHEDULED, Requests};
 use ramify_crds::{
-    Condition, ConditionStatus, ConditionsExt, REASON_MOVED, REASON_RESUMING, Sandbox, SandboxPhase,
+    CONDITION_SUSPENDED, Condition, ConditionStatus, ConditionsExt, REASON_IDLE, REASON_MOVED,
+    REASON_RESUMING, Sandbox, SandboxPhase,
 };
 use serde_json::json;
 use tracing::info;
@@ -45,12 +46,18 @@ pub fn movable(s: &Sandbox) -> bool {
         .conditions
         .get_condition("Ready")
         .is_some_and(|c| c.reason == REASON_RESUMING);
+    // Suspended for idleness: it waits for an exec on its node, not for a move.
+    let idle = st
+        .conditions
+        .get_condition(CONDITION_SUSPENDED)
+        .is_some_and(|c| c.reason == REASON_IDLE);
     s.metadata.deletion_timestamp.is_none()
         && !s.spec.suspended
         && s.spec.node_name.is_none()
         && st.phase == SandboxPhase::Suspended
         && st.suspension.as_ref().is_some_and(|x| x.remote)
         && !claimed
+        && !idle
 }
 
 /// Where a movable sandbox should go, and why; `None`: it stays (its node can take it,
@@ -283,6 +290,17 @@ mod tests {
         let mut staying = suspended(true, "Suspended");
         staying.spec.suspended = true;
         assert_eq!(destination(&staying, &agents, &free), None);
+        // Suspended for idleness: it waits for an exec on its node.
+        let mut idle = suspended(true, "Suspended");
+        if let Some(st) = idle.status.as_mut() {
+            st.conditions.push(Condition {
+                type_: CONDITION_SUSPENDED.into(),
+                status: ConditionStatus::True,
+                reason: REASON_IDLE.into(),
+                ..st.conditions[0].clone()
+            });
+        }
+        assert_eq!(destination(&idle, &agents, &free), None);
         assert!(destination(&suspended(true, "Suspended"), &agents, &free).is_some());
     }
 }

@@ -122,6 +122,7 @@ mod tests {
                 allow_snapshot_with_secrets: false,
                 self_fork: None,
                 suspended: false,
+                idle_suspend_seconds: None,
                 pod: None,
             },
         );

@@ -307,13 +307,20 @@ impl Harness {
             .exec(sb, &["/bin/sh", "-c", script])
             .await
             .unwrap_or_else(|e| panic!("exec: {e}"));
-        assert_eq!(
-            out.code,
-            0,
-            "`{script}` in {} failed: {}",
-            sb.name,
-            out.stderr_str()
-        );
+        if out.code != 0 {
+            // What gVisor said meanwhile: why a command was killed (a signal, a fault).
+            let log = std::fs::read_to_string(self.engine.runsc().boot_log(sb.ctx()))
+                .unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            panic!(
+                "`{script}` in {} exited {}: {}{}\n--- the sandbox's log, last lines ---\n{}",
+                sb.name,
+                out.code,
+                out.stdout_str(),
+                out.stderr_str(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
         out.stdout_str()
     }
 

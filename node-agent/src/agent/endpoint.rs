@@ -12,6 +12,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use http::{Method, Request, Response, StatusCode};
@@ -30,6 +31,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::Role;
 use tracing::{info, warn};
 
+use super::idle::Activity;
 use super::registry::Registry;
 use ramify_engine::engine::{Engine, LocalSandbox};
 use ramify_engine::freezer::Look;
@@ -123,8 +125,12 @@ impl Endpoint {
     }
 
     /// Serves until the process ends.
-    pub async fn serve(self, engine: Engine, registry: Registry) {
-        let state = Arc::new(State { engine, registry });
+    pub async fn serve(self, engine: Engine, registry: Registry, activity: Arc<Activity>) {
+        let state = Arc::new(State {
+            engine,
+            registry,
+            activity,
+        });
         https::serve(self.listener, self.config, move |_cert, req| {
             let state = state.clone();
             async move { state.handle(req).await }
@@ -136,7 +142,12 @@ impl Endpoint {
 struct State {
     engine: Engine,
     registry: Registry,
+    /// Execs count as activity (idle suspend); an exec wakes an idle sandbox.
+    activity: Arc<Activity>,
 }
+
+/// How long an exec waits for an idle-suspended sandbox to wake.
+const WAKE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The local sandbox that backs Sandbox `namespace/name` on this node (what the agent
 /// recorded in its registry).
@@ -181,6 +192,15 @@ impl State {
         let sb = match local_sandbox(&self.engine, &self.registry, ns, name).await {
             Ok(sb) => sb,
             Err(e) => return error_response(&e),
+        };
+        // Idle-suspended: an exec wakes it, and runs once it runs again.
+        let sb = if sb.suspended.is_some() && what == sub::SUBRESOURCE_EXEC {
+            match self.wake_idle(ns, name, sb).await {
+                Ok(sb) => sb,
+                Err(e) => return error_response(&e),
+            }
+        } else {
+            sb
         };
         if sb.suspended.is_some() && what != sub::SUBRESOURCE_LOG {
             // Nothing of it runs to exec in or look at; its log is still on disk.
@@ -229,6 +249,41 @@ impl State {
         }
     }
 
+    /// `sb` is suspended: when it was for idleness, its mark is cleared, its
+    /// reconcile asked for, and it is returned once it runs again. Otherwise (or when
+    /// it does not wake in time) it is returned as it is, or an error.
+    async fn wake_idle(
+        &self,
+        ns: &str,
+        name: &str,
+        sb: LocalSandbox,
+    ) -> Result<LocalSandbox, EndpointError> {
+        let Some(rec) = self
+            .registry
+            .sandboxes()?
+            .records
+            .into_iter()
+            .find(|r| r.namespace == ns && r.name == name && r.idle_suspended)
+        else {
+            return Ok(sb);
+        };
+        info!(sandbox = %format!("{ns}/{name}"), "an exec wakes an idle sandbox");
+        self.registry
+            .update_sandbox(&rec.uid, |r| r.idle_suspended = false)?;
+        self.activity.wake(ns, name);
+        let deadline = tokio::time::Instant::now() + WAKE_TIMEOUT;
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = local_sandbox(&self.engine, &self.registry, ns, name).await?;
+            if now.suspended.is_none() && self.engine.is_running(&now).await.unwrap_or(false) {
+                return Ok(now);
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Ok(now); // still suspended: refused below, saying so
+            }
+        }
+    }
+
     fn exec(&self, req: &mut Request<Incoming>, sb: LocalSandbox) -> Response<Body> {
         let argv = https::query_values(req, "command");
         let cmd = match self.engine.exec_command(&sb, &argv) {
@@ -242,6 +297,8 @@ impl State {
         let upgrade = hyper::upgrade::on(req);
         let id = sb.id.clone();
         let runsc = self.engine.runsc().clone();
+        // Activity from here to the exec's end: the sandbox is not idle meanwhile.
+        let busy = self.activity.exec(&sb.id);
         tokio::spawn(async move {
             match upgrade.await {
                 Ok(up) => {
@@ -252,6 +309,7 @@ impl State {
                     match Look::begin(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path()).await {
                         Ok(look) => {
                             run_exec(ws, cmd).await;
+                            drop(busy);
                             if let Err(e) = look.end().await {
                                 warn!(sandbox = %id, error = %e, "refreezing after an exec failed");
                             }

@@ -22,6 +22,7 @@ mod exit;
 mod fetch;
 mod heartbeat;
 mod held;
+pub mod idle;
 pub mod images;
 pub mod lease;
 pub mod metrics;
@@ -98,6 +99,9 @@ pub struct AgentConfig {
     pub remote: Option<ramify_remote::RemoteStore>,
     /// How often each sandbox's usage is sampled (zero: never).
     pub usage_interval: Duration,
+    /// What the sandboxes do (execs), shared with the node endpoint that runs the
+    /// execs; idle suspend reads it.
+    pub activity: Arc<idle::Activity>,
     /// The least time between two `status.usage` writes of one sandbox.
     pub usage_write_every: Duration,
 }
@@ -475,6 +479,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let fetched = tokio::spawn(agent.clone().sweep_fetched());
     let drain = tokio::spawn(agent.clone().watch_drain());
     let usage = tokio::spawn(agent.clone().report_usage());
+    let wakes = tokio::spawn(agent.clone().forward_wakes());
     if agent.cfg.mode == ramify_crds::pod::Mode::Cluster {
         tokio::spawn(agent.clone().heartbeat_pods());
     }
@@ -487,5 +492,6 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     fetched.abort();
     drain.abort();
     usage.abort();
+    wakes.abort();
     Ok(())
 }

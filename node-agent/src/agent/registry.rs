@@ -52,6 +52,11 @@ pub struct SandboxRecord {
     /// is reported, so a stale copy of the object never ships it twice).
     #[serde(default)]
     pub shipped: Option<ramify_crds::ShippedWinner>,
+    /// Suspended by the agent after `spec.idleSuspendSeconds` without activity: kept
+    /// suspended, though its spec does not ask for it, until an exec wakes it (see
+    /// `idle`). Written before the suspend, cleared by the exec that wakes it.
+    #[serde(default)]
+    pub idle_suspended: bool,
 }
 
 /// A Snapshot object backed by a stored image.
@@ -352,6 +357,7 @@ mod tests {
             fork_generation: None,
             handed_over: false,
             shipped: None,
+            idle_suspended: false,
         }
     }
 

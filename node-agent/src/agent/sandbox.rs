@@ -376,6 +376,9 @@ impl Agent {
         if let Some(done) = self.ship_winner(obj, uid, sb).await? {
             return Ok(done);
         }
+        if let Some(done) = self.idle_workspace(obj, uid, sb).await? {
+            return Ok(done);
+        }
         if let Some(done) = self.keep_suspension(obj, uid, sb).await? {
             return Ok(done);
         }

@@ -151,7 +151,11 @@ impl Agent {
         drop(slot);
         self.admission.restores.leave(uid);
         let took = match resumed {
-            Ok(t) => t,
+            Ok(t) => {
+                // Its idle clock starts again.
+                self.cfg.activity.touch(&sb.id);
+                t
+            }
             Err(e) => {
                 self.admission.capacity.leave(uid);
                 self.publish_capacity();

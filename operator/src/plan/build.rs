@@ -88,6 +88,7 @@ pub(super) fn branch_sandbox(
         self_fork: parent.spec.self_fork.clone(),
         // A branch runs to its verdict; only a workspace is suspended.
         suspended: false,
+        idle_suspend_seconds: None,
         // Cluster mode: a branch's Pod goes to its snapshot's node, tolerating what its
         // parent's tolerates, at its priority; the parent's labels (which a Service may
         // select) and its placement rules stay the parent's.

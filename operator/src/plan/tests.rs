@@ -91,6 +91,7 @@ fn branch(name: &str, phase: SandboxPhase, verdict: Option<(VerdictValue, i64)>)
             allow_snapshot_with_secrets: false,
             self_fork: None,
             suspended: false,
+            idle_suspend_seconds: None,
             pod: None,
         },
     );
