@@ -309,8 +309,8 @@ impl Harness {
             .unwrap_or_else(|e| panic!("exec: {e}"));
         if out.code != 0 {
             // What gVisor said meanwhile: why a command was killed (a signal, a fault).
-            let log = std::fs::read_to_string(self.engine.runsc().boot_log(sb.ctx()))
-                .unwrap_or_default();
+            let log =
+                std::fs::read_to_string(self.engine.runsc().boot_log(sb.ctx())).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             panic!(
                 "`{script}` in {} exited {}: {}{}\n--- the sandbox's log, last lines ---\n{}",
