@@ -161,6 +161,10 @@ impl Agent {
         uid: &str,
         sb: &mut LocalSandbox,
     ) -> Result<Option<Action>> {
+        // The common case, at no cost: a running sandbox that never idle-suspends.
+        if obj.spec.idle_suspend_seconds.is_none() && sb.suspended.is_none() {
+            return Ok(None);
+        }
         let marked = self
             .registry
             .sandbox(uid)?
