@@ -1,4 +1,4 @@
-//! The HTTP side of ramify-api: discovery documents, and the three subresources,
+//! The HTTP side of ramify-api: discovery documents, and the four subresources,
 //! each authenticated (front proxy), authorized (SubjectAccessReview) and then
 //! relayed to the sandbox's node agent.
 
@@ -10,7 +10,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use ramify_crds::subresources::{
-    self as sub, EXEC_PROTOCOLS, SUBRESOURCE_GROUP, SUBRESOURCE_VERSION, SUBRESOURCES,
+    self as sub, SUBRESOURCE_GROUP, SUBRESOURCE_VERSION, SUBRESOURCES,
 };
 use ramify_runtime::https::{self, Body};
 use rustls::pki_types::CertificateDer;
@@ -94,7 +94,9 @@ impl Api {
         if !SUBRESOURCES.contains(&subresource) {
             return https::status(
                 StatusCode::NOT_FOUND,
-                &format!("sandboxes have no subresource {subresource:?} (try exec, log or diff)"),
+                &format!(
+                    "sandboxes have no subresource {subresource:?} (try exec, log, diff or portforward)"
+                ),
             );
         }
         // The verb the API server's own authorization used for this request.
@@ -136,22 +138,25 @@ impl Api {
                 .map(|q| format!("?{q}"))
                 .unwrap_or_default()
         );
-        if subresource == sub::SUBRESOURCE_EXEC {
-            self.exec(req, &endpoint, &agent_path).await
+        if sub::STREAMED.contains(&subresource) {
+            self.stream(req, &endpoint, &agent_path, sub::protocols_of(subresource))
+                .await
         } else {
             self.forward(&endpoint, &agent_path).await
         }
     }
 
-    /// Opens the exec WebSocket to the agent first (so its refusals reach the client
-    /// as HTTP errors), then accepts the client's and relays messages both ways.
-    async fn exec(
+    /// Opens the WebSocket (exec, port-forward) to the agent first (so its refusals
+    /// reach the client as HTTP errors), then accepts the client's and relays messages
+    /// both ways.
+    async fn stream(
         &self,
         mut req: Request<Incoming>,
         endpoint: &str,
         agent_path: &str,
+        protocols: &[&'static str],
     ) -> Response<Body> {
-        let accept = match https::accept_websocket(req.headers(), &EXEC_PROTOCOLS) {
+        let accept = match https::accept_websocket(req.headers(), protocols) {
             Ok(a) => a,
             Err(refused) => return *refused,
         };
@@ -191,7 +196,7 @@ impl Api {
                             .await;
                     relay(client_ws, agent_ws).await;
                 }
-                Err(e) => warn!(error = %e, "exec upgrade from the API server failed"),
+                Err(e) => warn!(error = %e, "WebSocket upgrade from the API server failed"),
             }
         });
         accept.response

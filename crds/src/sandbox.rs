@@ -117,8 +117,9 @@ pub struct SandboxSpec {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub suspended: bool,
     /// Suspend the sandbox by itself after this many seconds without activity (no
-    /// exec, no console output), as `suspended: true` does (its memory is kept in an
-    /// image on the node); an exec wakes it where it left off. `Suspended` says
+    /// exec, no port-forward connection, no console output), as `suspended: true`
+    /// does (its memory is kept in an image on the node); an exec or a port-forward
+    /// wakes it where it left off. `Suspended` says
     /// `Idle` meanwhile. A branch of a BranchSet never idle-suspends. Unset: never.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 10, max = 2592000))]
@@ -361,7 +362,7 @@ pub const ANNOTATION_SHIP: &str = "ramify.dev/ship";
 /// Reason of `Suspended=True` (and an Event) for a workspace suspended by a drain.
 pub const REASON_DRAINED: &str = "Drained";
 /// Reason of `Suspended=True` (and an Event) for a workspace that suspended itself
-/// after `spec.idleSuspendSeconds` without activity; an exec wakes it.
+/// after `spec.idleSuspendSeconds` without activity; an exec or a port-forward wakes it.
 pub const REASON_IDLE: &str = "Idle";
 /// Reason of `Ready=False` while a branch on another node than its snapshot's waits for
 /// the snapshot's upload to the object store (then downloads it).

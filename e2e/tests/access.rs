@@ -1,4 +1,4 @@
-//! Who may exec into a sandbox and read its logs: Kubernetes RBAC, per namespace,
+//! Who may exec into a sandbox, read its logs and port-forward to it: Kubernetes RBAC, per namespace,
 //! through the aggregated API `subresources.ramify.dev` (ramify-api), with the node
 //! agent doing the work behind an mTLS endpoint that only ramify-api can call.
 //!
@@ -60,6 +60,12 @@ fn can_i(sys: &System, kubeconfig: &Path, args: &[&str]) -> bool {
 /// Whether the API server's authorizer lets `user` exec into namespace `ns`'s
 /// workspace.
 async fn may_exec(sys: &System, user: &str, ns: &str) -> bool {
+    may(sys, user, ns, "workspace", "exec").await
+}
+
+/// Whether the API server's authorizer lets `user` use `subresource` of sandbox
+/// `name` in namespace `ns`.
+async fn may(sys: &System, user: &str, ns: &str, name: &str, subresource: &str) -> bool {
     use k8s_openapi::api::authorization::v1::{
         ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
     };
@@ -70,10 +76,10 @@ async fn may_exec(sys: &System, user: &str, ns: &str) -> bool {
             resource_attributes: Some(ResourceAttributes {
                 group: Some("subresources.ramify.dev".into()),
                 resource: Some("sandboxes".into()),
-                subresource: Some("exec".into()),
+                subresource: Some(subresource.into()),
                 verb: Some("get".into()),
                 namespace: Some(ns.into()),
-                name: Some("workspace".into()),
+                name: Some(name.into()),
                 ..Default::default()
             }),
             ..Default::default()
@@ -119,6 +125,36 @@ fn workspace(sys: &System, ns: &str) -> String {
     )
 }
 
+/// The chart's user roles (config/rbac holds the same, see chart.rs), aggregated by
+/// the controller manager into the built-in view/edit/admin; then each (user, role,
+/// namespace) bound.
+fn grant(sys: &System, bindings: &[(&str, &str, &str)]) {
+    let roles = repo_root().join("config/rbac/user-roles.yaml");
+    let out = sys
+        .cp
+        .kubectl_run(&["apply", "-f", &path_arg(&roles)], None)
+        .unwrap();
+    assert!(out.success, "{}", out.stderr);
+    for (user, role, ns) in bindings {
+        let out = sys
+            .cp
+            .kubectl_run(
+                &[
+                    "create",
+                    "rolebinding",
+                    &format!("{user}-{role}"),
+                    "-n",
+                    ns,
+                    &format!("--clusterrole={role}"),
+                    &format!("--user={user}"),
+                ],
+                None,
+            )
+            .unwrap();
+        assert!(out.success, "{}", out.stderr);
+    }
+}
+
 async fn running(sys: &System, ns: &str) {
     let api: Api<Sandbox> = Api::namespaced(sys.client.clone(), ns);
     sys.wait_for(api, "workspace", "Running", 120, |s: &Sandbox| {
@@ -139,36 +175,14 @@ async fn exec_and_logs_are_authorized_per_namespace_by_rbac() {
     let b = b_ns.name.clone();
     let api = sys.start_api();
 
-    // The chart's user roles (config/rbac holds the same, see chart.rs), aggregated by
-    // the controller manager into the built-in view/edit/admin.
-    let roles = repo_root().join("config/rbac/user-roles.yaml");
-    let out = sys
-        .cp
-        .kubectl_run(&["apply", "-f", &path_arg(&roles)], None)
-        .unwrap();
-    assert!(out.success, "{}", out.stderr);
-    for (user, role, ns) in [
-        ("alice", "edit", &a),
-        ("bob", "edit", &b),
-        ("carol", "view", &a),
-    ] {
-        let out = sys
-            .cp
-            .kubectl_run(
-                &[
-                    "create",
-                    "rolebinding",
-                    &format!("{user}-{role}"),
-                    "-n",
-                    ns,
-                    &format!("--clusterrole={role}"),
-                    &format!("--user={user}"),
-                ],
-                None,
-            )
-            .unwrap();
-        assert!(out.success, "{}", out.stderr);
-    }
+    grant(
+        &sys,
+        &[
+            ("alice", "edit", &a),
+            ("bob", "edit", &b),
+            ("carol", "view", &a),
+        ],
+    );
     let users = sys.log_dir.join("users");
     let alice = sys.cp.user_kubeconfig("alice", &["team-a"], &users);
     let bob = sys.cp.user_kubeconfig("bob", &["team-b"], &users);
@@ -555,5 +569,165 @@ async fn logs_follow_as_lines_come_show_the_tail_and_end_with_the_sandbox() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert!(status.success(), "logs -f ended with {status}");
+    sys.teardown_and_check_clean().await;
+}
+
+/// `kubectl ramify port-forward SANDBOX :PORT` as `kubeconfig`'s user, running: the
+/// child and the local port it listens on.
+fn port_forward(
+    kubeconfig: &Path,
+    ns: &str,
+    sandbox: &str,
+    port: u16,
+) -> (std::process::Child, u16) {
+    let mut child = Command::new(ramify_e2e::binary("kubectl-ramify").unwrap())
+        .args(["-n", ns, "port-forward", sandbox, &format!(":{port}")])
+        .env("KUBECONFIG", kubeconfig)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    // "Forwarding from 127.0.0.1:LOCAL -> PORT"
+    let local = first
+        .strip_prefix("Forwarding from 127.0.0.1:")
+        .and_then(|r| r.split_once(' '))
+        .and_then(|(p, rest)| (rest == format!("-> {port}")).then(|| p.parse().ok())?)
+        .unwrap_or_else(|| panic!("port-forward printed {first:?}"));
+    (child, local)
+}
+
+/// `GET /index.html` on `127.0.0.1:local`: the body, trimmed (or the failure).
+async fn get_page(local: u16) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", local))
+        .await
+        .map_err(|e| e.to_string())?;
+    s.write_all(b"GET /index.html HTTP/1.0\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut resp = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut resp))
+        .await
+        .map_err(|_| "no answer in 20 s".to_string())?
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    match text.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.") => Ok(body.trim().to_string()),
+        _ => Err(format!("not an HTTP response: {text:?}")),
+    }
+}
+
+/// Waits until `127.0.0.1:local` serves `want`.
+async fn serves(local: u16, want: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = get_page(local).await;
+        if got.as_deref() == Ok(want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: last answer {got:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn port_forward_reaches_a_sandbox_and_each_branch_and_is_authorized_by_rbac() {
+    let sys = System::start("port-forward").await;
+    let ns = sys.ns.name.clone();
+    let api = sys.start_api();
+    grant(&sys, &[("alice", "edit", &ns), ("carol", "view", &ns)]);
+    let users = sys.log_dir.join("users");
+    let alice = sys.cp.user_kubeconfig("alice", &["team-a"], &users);
+    let carol = sys.cp.user_kubeconfig("carol", &["auditors"], &users);
+
+    // A web server on the sandbox's loopback only: nothing outside the sandbox reaches
+    // it but a port-forward.
+    sys.apply(&sys.sandbox_yaml(
+        "web",
+        "mkdir -p /www && echo web > /www/index.html && httpd -p 127.0.0.1:8000 -h /www && while true; do sleep 1; done",
+        "400m",
+        "256Mi",
+    ));
+    sys.wait_running("web").await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !may(&sys, "alice", &ns, "web", "portforward").await {
+        assert!(
+            Instant::now() < deadline,
+            "ramify-edit never aggregated into edit"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let (mut fwd, local) = port_forward(&alice, &ns, "web", 8000);
+    serves(local, "web", "alice's port-forward to web").await;
+    // Twenty connections at once, each answered whole.
+    let pages = futures::future::join_all((0..20).map(|_| get_page(local))).await;
+    for (i, p) in pages.iter().enumerate() {
+        assert_eq!(
+            p.as_deref(),
+            Ok("web"),
+            "connection {i}\n--- ramify-api ---\n{}",
+            api.component.log_tail(20)
+        );
+    }
+
+    // A view-only user is refused before anything listens, with RBAC's exit code.
+    let (code, out, err) = plugin(&carol, &ns, &["port-forward", "web", ":8000"]);
+    assert_eq!(code, 7, "carol (view): {out}{err}");
+    assert!(
+        err.contains("forbidden") && err.contains("sandboxes/portforward"),
+        "{err}"
+    );
+    assert!(!out.contains("Forwarding"), "{out}");
+
+    // Each branch of a set: its server kept listening across the fork, and a
+    // port-forward reaches that branch's own.
+    sys.apply(
+        r#"apiVersion: ramify.dev/v1alpha1
+kind: BranchSet
+metadata:
+  name: try
+spec:
+  source: {sandbox: web}
+  replicas: 2
+  template:
+    run: ["/bin/sh", "-c", "sleep 100000"]
+  commit: {mode: Full}
+  timeoutSeconds: 3600
+"#,
+    );
+    let mut forwards = Vec::new();
+    for b in ["try-b0", "try-b1"] {
+        sys.wait_running(b).await;
+        let (code, out, err) = plugin(
+            &alice,
+            &ns,
+            &[
+                "exec",
+                b,
+                "--",
+                "/bin/sh",
+                "-c",
+                &format!("echo {b} > /www/index.html"),
+            ],
+        );
+        assert_eq!(code, 0, "exec in {b}: {out}{err}");
+        let (child, local) = port_forward(&alice, &ns, b, 8000);
+        forwards.push((b, child, local));
+    }
+    for (b, _, local) in &forwards {
+        serves(*local, b, &format!("port-forward to {b}")).await;
+    }
+    serves(local, "web", "port-forward to web after the fork").await;
+
+    fwd.kill().unwrap();
+    fwd.wait().unwrap();
+    for (_, mut child, _) in forwards {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    drop(api);
     sys.teardown_and_check_clean().await;
 }

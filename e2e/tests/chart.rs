@@ -443,7 +443,12 @@ fn defaults_render_the_documented_deployment() {
     };
     assert_eq!(
         grants(edit, "subresources.ramify.dev"),
-        ["sandboxes/exec", "sandboxes/log", "sandboxes/diff"]
+        [
+            "sandboxes/exec",
+            "sandboxes/log",
+            "sandboxes/diff",
+            "sandboxes/portforward"
+        ]
     );
     assert!(grants(view, "subresources.ramify.dev").is_empty());
 

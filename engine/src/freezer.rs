@@ -19,7 +19,8 @@ fn lock_path(dir: &Path) -> PathBuf {
     dir.join("freeze.lock")
 }
 
-/// An exclusive hold on a sandbox's freezer state (released on drop).
+/// A hold on a sandbox's freezer state (released on drop): exclusive for whoever
+/// pauses or resumes it, shared by looks ([`Look`]).
 pub struct FreezeLock {
     _held: nix::fcntl::Flock<File>,
 }
@@ -27,6 +28,16 @@ pub struct FreezeLock {
 impl FreezeLock {
     /// Blocks until the lock is held (call off the async workers).
     pub fn acquire(sandbox_dir: &Path) -> Result<FreezeLock> {
+        Self::take(sandbox_dir, nix::fcntl::FlockArg::LockExclusive)
+    }
+
+    /// Blocks until the lock is held along with other looks, and nobody holds it
+    /// exclusively (call off the async workers).
+    pub fn acquire_shared(sandbox_dir: &Path) -> Result<FreezeLock> {
+        Self::take(sandbox_dir, nix::fcntl::FlockArg::LockShared)
+    }
+
+    fn take(sandbox_dir: &Path, how: nix::fcntl::FlockArg) -> Result<FreezeLock> {
         let p = lock_path(sandbox_dir);
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -34,7 +45,7 @@ impl FreezeLock {
             .write(true)
             .open(&p)
             .map_err(|e| Error::io("open", &p, e))?;
-        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        nix::fcntl::Flock::lock(file, how)
             .map(|held| FreezeLock { _held: held })
             .map_err(|(_, e)| Error::io("lock", &p, std::io::Error::from(e)))
     }
@@ -202,18 +213,32 @@ pub async fn resume(runsc: &Runsc, ctx: &SandboxCtx, dir: &Path, cgroups_path: &
     }
 }
 
-/// A look into a sandbox that may be paused: [`Look::begin`] resumes it (under the
-/// lock), [`Look::end`] pauses it again if it was paused. Holding the lock for the
-/// whole look keeps the agent from changing the state meanwhile.
+/// A look into a sandbox that may be paused: [`Look::begin`] resumes it, [`Look::end`]
+/// pauses it again if it was paused. Looks share the sandbox's lock (two execs, twenty
+/// port-forward connections at once), which keeps the agent from pausing or resuming
+/// it meanwhile: the first look of a paused sandbox resumes it, the last one to end
+/// pauses it again. Looks are counted in this process (the agent's endpoint makes
+/// them all).
 pub struct Look {
     runsc: Runsc,
     ctx: SandboxCtx,
     dir: PathBuf,
     cgroups_path: String,
-    was_paused: bool,
-    depth: Depth,
     _lock: Option<FreezeLock>,
 }
+
+/// The looks in flight in this process, by sandbox directory.
+#[derive(Clone, Copy)]
+struct Looking {
+    count: usize,
+    /// The sandbox was paused when the first look began (this depth): the last one
+    /// pauses it again.
+    restore: Option<Depth>,
+}
+
+/// Held across a resume or pause (one control call): looks begin and end one at a time.
+static LOOKS: std::sync::LazyLock<tokio::sync::Mutex<std::collections::HashMap<PathBuf, Looking>>> =
+    std::sync::LazyLock::new(Default::default);
 
 impl Look {
     /// Begins a look into the sandbox of `ctx`, whose directory is `dir` and cgroup
@@ -227,45 +252,84 @@ impl Look {
         let dir = dir.to_path_buf();
         let lock = {
             let dir = dir.clone();
-            tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
+            tokio::task::spawn_blocking(move || FreezeLock::acquire_shared(&dir))
                 .await
                 .map_err(|e| Error::Join(e.to_string()))??
         };
-        let was_paused = is_paused(&dir);
-        let depth = if is_frozen(cgroups_path) {
-            Depth::Freeze
-        } else {
-            Depth::Pause
-        };
-        if was_paused {
-            resume(runsc, ctx, &dir, cgroups_path).await?;
+        let mut looks = LOOKS.lock().await;
+        match looks.get_mut(&dir) {
+            Some(l) => l.count += 1,
+            None => {
+                let restore = is_paused(&dir).then(|| {
+                    if is_frozen(cgroups_path) {
+                        Depth::Freeze
+                    } else {
+                        Depth::Pause
+                    }
+                });
+                if restore.is_some() {
+                    resume(runsc, ctx, &dir, cgroups_path).await?;
+                }
+                looks.insert(dir.clone(), Looking { count: 1, restore });
+            }
         }
         Ok(Look {
             runsc: runsc.clone(),
             ctx: ctx.clone(),
             dir,
             cgroups_path: cgroups_path.to_string(),
-            was_paused,
-            depth,
             _lock: Some(lock),
         })
     }
 
-    /// Puts the sandbox back as it was found.
+    /// Ends the look; the last one puts the sandbox back as the first one found it.
     pub async fn end(mut self) -> Result<()> {
-        let r = if self.was_paused && self.dir.exists() {
-            pause(
-                &self.runsc,
-                &self.ctx,
-                &self.dir,
-                &self.cgroups_path,
-                self.depth,
-            )
-            .await
-        } else {
-            Ok(())
-        };
+        let r = self.leave().await;
         self._lock.take();
         r
+    }
+
+    async fn leave(&self) -> Result<()> {
+        let mut looks = LOOKS.lock().await;
+        let Some(l) = looks.get_mut(&self.dir) else {
+            return Ok(());
+        };
+        l.count = l.count.saturating_sub(1);
+        if l.count > 0 {
+            return Ok(());
+        }
+        let restore = l.restore;
+        looks.remove(&self.dir);
+        match restore {
+            Some(depth) if self.dir.exists() => {
+                pause(&self.runsc, &self.ctx, &self.dir, &self.cgroups_path, depth).await
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for Look {
+    /// A look dropped without [`Look::end`] (its task cancelled) still counts itself
+    /// out, so the last one pauses the sandbox again.
+    fn drop(&mut self) {
+        let Some(lock) = self._lock.take() else {
+            return;
+        };
+        let look = Look {
+            runsc: self.runsc.clone(),
+            ctx: self.ctx.clone(),
+            dir: self.dir.clone(),
+            cgroups_path: self.cgroups_path.clone(),
+            _lock: Some(lock),
+        };
+        let id = self.ctx.id.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Err(e) = look.end().await {
+                    tracing::warn!(sandbox = %id, error = %e, "pausing again after a dropped look failed");
+                }
+            });
+        }
     }
 }

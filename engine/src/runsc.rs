@@ -15,6 +15,7 @@ pub use crate::platform::Platform;
 use crate::platform::PlatformDecision;
 
 pub mod control;
+pub mod port_forward;
 pub mod restore_pages;
 pub use restore_pages::RestorePages;
 

@@ -119,12 +119,7 @@ async fn a_sandbox_has_loopback_and_its_own_system_files_and_so_does_each_branch
     assert!(lo.contains("UP"), "lo is not up: {lo}");
     serves(&h, &parent, "parent").await;
 
-    let snap = h
-        .engine
-        .snapshot(&mut parent, None)
-        .await
-        .unwrap_or_else(|e| panic!("snapshot: {e}"));
-    let branches = h.fork_n(&snap.meta.id, 2).await;
+    let branches = h.snapshot_and_fork(&mut parent, 2).await;
     for b in &branches {
         let lo = h.sh(b, "ip addr show dev lo").await;
         assert!(

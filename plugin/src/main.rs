@@ -4,10 +4,12 @@
 //! winner (or failed), 2 usage, 3 not found, 4 wrong state for the request, 5 timeout,
 //! 6 other errors, 7 not allowed (RBAC). `exec` exits with the command's own code.
 //!
-//! `exec`, `logs` and `diff` go through the aggregated API `subresources.ramify.dev`
-//! (ramify-api), with the kubeconfig's own identity: RBAC on `sandboxes/exec`,
-//! `sandboxes/log` and `sandboxes/diff` in the sandbox's namespace decides.
+//! `exec`, `logs`, `diff` and `port-forward` go through the aggregated API
+//! `subresources.ramify.dev` (ramify-api), with the kubeconfig's own identity: RBAC on
+//! `sandboxes/exec`, `sandboxes/log`, `sandboxes/diff` and `sandboxes/portforward` in
+//! the sandbox's namespace decides.
 
+mod port_forward;
 mod top;
 mod tree;
 
@@ -37,6 +39,8 @@ enum Error {
     NoWinner(String),
     #[error("{0}")]
     Forbidden(String),
+    #[error("{0}")]
+    Usage(String),
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error("{0}")]
@@ -47,6 +51,7 @@ impl Error {
     fn code(&self) -> u8 {
         match self {
             Error::NoWinner(_) => 1,
+            Error::Usage(_) => 2,
             Error::NotFound(_) => 3,
             Error::WrongState(_) => 4,
             Error::Timeout(_) => 5,
@@ -127,6 +132,18 @@ enum Cmd {
         sandbox: String,
         #[arg(trailing_var_arg = true, required = true)]
         command: Vec<String>,
+    },
+    /// Forward local ports to ports on a sandbox's (or branch's) loopback, as
+    /// `kubectl port-forward` does for a Pod: `8080`, `9000:8080` or `:8080` (any free
+    /// local port). Several connections at once; runs until interrupted. Needs `get` on
+    /// `sandboxes/portforward` (subresources.ramify.dev).
+    PortForward {
+        sandbox: String,
+        #[arg(required = true, value_name = "[LOCAL:]REMOTE")]
+        ports: Vec<String>,
+        /// The local address to listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        address: String,
     },
     /// Suspend a sandbox: checkpointed to an image on its node and stopped, it holds
     /// nothing of the node until resumed (sets `spec.suspended: true`).
@@ -533,6 +550,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
             exec(&client, &ns, &sandbox, &command).await
         }
+        Cmd::PortForward {
+            sandbox,
+            ports,
+            address,
+        } => port_forward::run(&client, &ns, &sandbox, &ports, &address).await,
         Cmd::Logs {
             sandbox,
             follow,

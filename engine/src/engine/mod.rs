@@ -313,6 +313,19 @@ impl Engine {
         self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)
     }
 
+    /// A TCP connection to `port` on the sandbox's loopback (see
+    /// [`crate::runsc::port_forward`]), for the node endpoint's port-forward. Not
+    /// refused for a paused sandbox: the endpoint holds a [`crate::freezer::Look`] for
+    /// the connection's life.
+    #[tracing::instrument(skip(self, sb), fields(sandbox = %sb.id))]
+    pub async fn port_forward(
+        &self,
+        sb: &LocalSandbox,
+        port: u16,
+    ) -> Result<tokio::net::UnixStream> {
+        crate::runsc::port_forward::connect(&sb.ctx, port).await
+    }
+
     /// The runsc console log of a sandbox (its first process's stdout and stderr).
     pub fn log_path(&self, sb: &LocalSandbox) -> PathBuf {
         sb.dir.join("console.log")

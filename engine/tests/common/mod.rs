@@ -246,6 +246,16 @@ impl Harness {
             .unwrap_or_else(|e| panic!("fork: {e}"))
     }
 
+    /// `n` branches of a fresh snapshot of `parent`, named `b0`...
+    pub async fn snapshot_and_fork(&self, parent: &mut LocalSandbox, n: u32) -> Vec<LocalSandbox> {
+        let snap = self
+            .engine
+            .snapshot(parent, None)
+            .await
+            .unwrap_or_else(|e| panic!("snapshot: {e}"));
+        self.fork_n(&snap.meta.id, n).await
+    }
+
     pub fn workload(&self, script: &str) -> WorkloadSpec {
         WorkloadSpec {
             args: vec!["/bin/sh".into(), "-c".into(), script.into()],

@@ -107,7 +107,10 @@ impl Agent {
         }
         match (&sb.suspended, obj.spec.suspended) {
             (None, _) => {
-                let Some(action) = self.suspend_sandbox(obj, uid, sb).await? else {
+                let Some(action) = self
+                    .suspend_sandbox(obj, uid, sb, super::suspend::Asked::Spec)
+                    .await?
+                else {
                     return Ok(None); // not running: reported as ended by the caller
                 };
                 if let Some(s) = &sb.suspended {

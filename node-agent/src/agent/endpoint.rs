@@ -7,7 +7,10 @@
 //!
 //! Paths (`GET`, below `/v1`): `namespaces/{ns}/sandboxes/{name}/exec?command=...`
 //! (a WebSocket with the Kubernetes channel protocol, output streamed as it comes),
-//! `.../log?follow=true&tailLines=N` (the console log, streamed; following) and `.../diff?path=GLOB` (JSON).
+//! `.../log?follow=true&tailLines=N` (the console log, streamed; following),
+//! `.../diff?path=GLOB` (JSON) and `.../portforward?ports=P` (a WebSocket carrying one
+//! TCP connection to port P on the sandbox's loopback; see
+//! [`ramify_crds::subresources`] for its framing).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -20,11 +23,12 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::rt::TokioIo;
 use ramify_crds::subresources::{
-    self as sub, CHANNEL_STATUS, CHANNEL_STDERR, CHANNEL_STDOUT, EXEC_PROTOCOLS,
+    self as sub, CHANNEL_PF_DATA, CHANNEL_PF_ERROR, CHANNEL_STATUS, CHANNEL_STDERR, CHANNEL_STDOUT,
+    EXEC_PROTOCOLS, PORTFORWARD_PROTOCOLS,
 };
 use ramify_runtime::https::{self, Body};
 use ramify_runtime::tls::{self, ClientAuth, TlsError};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
@@ -193,8 +197,10 @@ impl State {
             Ok(sb) => sb,
             Err(e) => return error_response(&e),
         };
-        // Idle-suspended: an exec wakes it, and runs once it runs again.
-        let sb = if sb.suspended.is_some() && what == sub::SUBRESOURCE_EXEC {
+        // Idle-suspended: an exec or a port-forward wakes it, and runs once it runs
+        // again.
+        let wakes = what == sub::SUBRESOURCE_EXEC || what == sub::SUBRESOURCE_PORTFORWARD;
+        let sb = if sb.suspended.is_some() && wakes {
             match self.wake_idle(ns, name, sb).await {
                 Ok(sb) => sb,
                 Err(e) => return error_response(&e),
@@ -213,6 +219,7 @@ impl State {
         }
         match what {
             sub::SUBRESOURCE_EXEC => self.exec(&mut req, sb),
+            sub::SUBRESOURCE_PORTFORWARD => self.port_forward(&mut req, sb).await,
             sub::SUBRESOURCE_LOG => {
                 let opts = match super::console_log::LogOptions::parse(
                     &https::query_values(&req, "follow"),
@@ -326,6 +333,56 @@ impl State {
         accept.response
     }
 
+    /// One TCP connection to a port on the sandbox's loopback, carried by the
+    /// WebSocket. Connected before the upgrade, so "nothing listens there" reaches the
+    /// client as an HTTP error. A decided (paused) branch is resumed for the
+    /// connection's life and paused again after; the connection counts as activity.
+    async fn port_forward(&self, req: &mut Request<Incoming>, sb: LocalSandbox) -> Response<Body> {
+        let port = match sub::forwarded_port(&https::query_values(req, "ports")) {
+            Ok(p) => p,
+            Err(why) => return https::status(StatusCode::BAD_REQUEST, &why),
+        };
+        let accept = match https::accept_websocket(req.headers(), &PORTFORWARD_PROTOCOLS) {
+            Ok(a) => a,
+            Err(refused) => return *refused,
+        };
+        let look = match self.engine.look(&sb).await {
+            Ok(l) => l,
+            Err(e) => return error_response(&e.into()),
+        };
+        let conn = match self.engine.port_forward(&sb, port).await {
+            Ok(c) => c,
+            Err(e) => {
+                if let Err(e) = look.end().await {
+                    warn!(sandbox = %sb.id, error = %e, "pausing again after a refused port-forward failed");
+                }
+                let code = match e {
+                    ramify_engine::Error::Invalid(_) => StatusCode::CONFLICT,
+                    _ => StatusCode::BAD_GATEWAY,
+                };
+                return https::status(code, &e.to_string());
+            }
+        };
+        let upgrade = hyper::upgrade::on(req);
+        let id = sb.id.clone();
+        let busy = self.activity.exec(&sb.id);
+        tokio::spawn(async move {
+            match upgrade.await {
+                Ok(up) => {
+                    let ws = WebSocketStream::from_raw_socket(TokioIo::new(up), Role::Server, None)
+                        .await;
+                    relay_port(ws, conn, port).await;
+                }
+                Err(e) => warn!(sandbox = %id, error = %e, "port-forward upgrade failed"),
+            }
+            drop(busy);
+            if let Err(e) = look.end().await {
+                warn!(sandbox = %id, error = %e, "pausing again after a port-forward failed");
+            }
+        });
+        accept.response
+    }
+
     /// The console log, streamed (see [`super::console_log`]): following, until the
     /// sandbox stops running or the client goes.
     fn log(&self, sb: LocalSandbox, opts: super::console_log::LogOptions) -> Response<Body> {
@@ -419,6 +476,59 @@ where
     let mut frame = vec![CHANNEL_STATUS];
     frame.extend_from_slice(status.to_string().as_bytes());
     tx.send(Message::Binary(frame.into())).await
+}
+
+/// Carries one port-forward connection: the server's bytes out on the data channel,
+/// the client's data-channel bytes in, until either side ends (the kubelet's framing:
+/// each channel opens with the port).
+async fn relay_port<S>(ws: WebSocketStream<S>, conn: tokio::net::UnixStream, port: u16)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut tx, mut rx) = ws.split();
+    for channel in [CHANNEL_PF_DATA, CHANNEL_PF_ERROR] {
+        let prefix = sub::port_prefix(channel, port).to_vec();
+        if tx.send(Message::Binary(prefix.into())).await.is_err() {
+            return;
+        }
+    }
+    let (mut from, mut to) = conn.into_split();
+    let mut buf = vec![0u8; 32 << 10];
+    loop {
+        tokio::select! {
+            n = from.read(buf.get_mut(1..).unwrap_or_default()) => match n {
+                // The server closed the connection.
+                Ok(0) => break,
+                Ok(n) => {
+                    if let Some(b) = buf.first_mut() {
+                        *b = CHANNEL_PF_DATA;
+                    }
+                    let frame = buf.get(..=n).unwrap_or_default().to_vec();
+                    if tx.send(Message::Binary(frame.into())).await.is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    let mut frame = vec![CHANNEL_PF_ERROR];
+                    frame.extend_from_slice(format!("reading from port {port}: {e}").as_bytes());
+                    let _ = tx.send(Message::Binary(frame.into())).await;
+                    break;
+                }
+            },
+            incoming = rx.next() => match incoming {
+                Some(Ok(Message::Binary(b))) => {
+                    if let Some((&CHANNEL_PF_DATA, data)) = b.split_first()
+                        && to.write_all(data).await.is_err()
+                    {
+                        break;
+                    }
+                }
+                Some(Ok(Message::Text(_) | Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
+                Some(Ok(Message::Close(_)) | Err(_)) | None => break,
+            },
+        }
+    }
+    let _ = tx.close().await;
 }
 
 /// Copies one output stream into channel messages until it ends.

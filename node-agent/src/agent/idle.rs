@@ -1,9 +1,9 @@
-//! Idle suspend (`spec.idleSuspendSeconds`): a workspace with no exec running or
-//! finished, and no console output, for that long suspends itself, as
+//! Idle suspend (`spec.idleSuspendSeconds`): a workspace with no exec or port-forward
+//! connection open or ended, and no console output, for that long suspends itself, as
 //! `spec.suspended: true` would (checkpointed to an image on the node, its memory kept,
 //! nothing of it running); the `Suspended` condition and an Event say `Idle`. An exec
-//! wakes it: the node endpoint clears the mark, asks for a reconcile, and runs the
-//! command once it is running again, where it left off.
+//! or a port-forward wakes it: the node endpoint clears the mark, asks for a reconcile,
+//! and runs the command (or connects) once it is running again, where it left off.
 //!
 //! The mark (`idle_suspended` in its registry record) is written before the suspend,
 //! so an agent that restarts keeps the sandbox suspended rather than resuming what
@@ -25,6 +25,7 @@ use tokio::sync::Notify;
 use tracing::{info, warn};
 
 use super::Agent;
+use super::suspend::{Asked, idle_message};
 use crate::error::Result;
 use ramify_engine::engine::LocalSandbox;
 
@@ -217,22 +218,11 @@ impl Agent {
                 // Marked first: a crash from here on leaves it suspended, not resumed.
                 self.set_idle_mark(uid, true)?;
                 info!(sandbox = %obj.name_any(), idle_for = ?quiet.min(console), "suspending an idle sandbox");
-                let done = self.suspend_sandbox(obj, uid, sb).await;
-                let Some(s) = sb.suspended.clone() else {
+                let done = self.suspend_sandbox(obj, uid, sb, Asked::Idle).await;
+                if sb.suspended.is_none() {
                     // Not suspended (refused, or it stopped): not idle-suspended either.
                     self.set_idle_mark(uid, false)?;
-                    return done;
-                };
-                let message = idle_message(obj, &self.cfg.node, &s.image);
-                self.write_suspension(
-                    obj,
-                    sb,
-                    (SandboxPhase::Suspended, false, REASON_SUSPENDED),
-                    (ConditionStatus::True, REASON_IDLE),
-                    message.clone(),
-                )
-                .await?;
-                self.event(obj, false, REASON_IDLE, message).await;
+                }
                 done
             }
         }
@@ -244,13 +234,6 @@ impl Agent {
             .map(|_| ())
             .inspect_err(|e| warn!(uid, error = %e, "could not record the idle mark"))
     }
-}
-
-fn idle_message(obj: &SandboxObj, node: &str, image: &str) -> String {
-    format!(
-        "idle for {} s (no exec, no console output): checkpointed to image {image} on node {node}; an exec wakes it where it left off",
-        obj.spec.idle_suspend_seconds.unwrap_or_default()
-    )
 }
 
 #[cfg(test)]

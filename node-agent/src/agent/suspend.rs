@@ -10,7 +10,7 @@ use std::time::Duration;
 use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use ramify_crds::{
-    CONDITION_SUSPENDED, Condition, ConditionStatus, REASON_RESUMED, REASON_RESUMING,
+    CONDITION_SUSPENDED, Condition, ConditionStatus, REASON_IDLE, REASON_RESUMED, REASON_RESUMING,
     REASON_STORE_FULL, REASON_SUSPEND_FAILED, REASON_SUSPENDED, Sandbox as SandboxObj,
     SandboxPhase, SuspensionStatus,
 };
@@ -23,6 +23,15 @@ use ramify_engine::engine::{LocalSandbox, Suspension};
 
 /// How soon a refused suspend is tried again (the store may have room by then).
 const SUSPEND_RETRY: Duration = Duration::from_secs(15);
+
+/// Who asked for a suspend: said in the `Suspended` condition and its Event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Asked {
+    /// `spec.suspended: true` (or a drain, which says so in an Event of its own).
+    Spec,
+    /// `spec.idleSuspendSeconds` passed without activity.
+    Idle,
+}
 
 impl Agent {
     /// Suspends or resumes the sandbox as its spec asks, holding its lock. `None`:
@@ -51,7 +60,7 @@ impl Agent {
                 }
                 Ok(Some(Action::await_change()))
             }
-            (true, None) => self.suspend_sandbox(obj, uid, sb).await,
+            (true, None) => self.suspend_sandbox(obj, uid, sb, Asked::Spec).await,
             (false, Some(_)) => self.resume_sandbox(obj, uid, sb).await.map(Some),
         }
     }
@@ -61,6 +70,7 @@ impl Agent {
         obj: &SandboxObj,
         uid: &str,
         sb: &mut LocalSandbox,
+        asked: Asked,
     ) -> Result<Option<Action>> {
         let phase = obj.status.as_ref().map(|st| st.phase);
         // Only a running workspace is suspended; one whose processes ended is reported
@@ -83,14 +93,20 @@ impl Agent {
                 // Nothing of it runs now: its room goes to whoever waits.
                 self.admission.capacity.leave(uid);
                 self.publish_capacity();
-                self.report_suspended(obj, sb, &s).await?;
-                self.event(
+                // One status write and one Event, saying why.
+                let (reason, message) = match asked {
+                    Asked::Spec => (REASON_SUSPENDED, suspended_message(&self.cfg.node, &s)),
+                    Asked::Idle => (REASON_IDLE, idle_message(obj, &self.cfg.node, &s.image)),
+                };
+                self.write_suspension(
                     obj,
-                    false,
-                    REASON_SUSPENDED,
-                    suspended_message(&self.cfg.node, &s),
+                    sb,
+                    (SandboxPhase::Suspended, false, REASON_SUSPENDED),
+                    (ConditionStatus::True, reason),
+                    message.clone(),
                 )
-                .await;
+                .await?;
+                self.event(obj, false, reason, message).await;
                 if self.remote.store().is_some() {
                     self.upload_suspension(obj, uid, &s);
                     return Ok(Some(Action::requeue(Duration::from_secs(5))));
@@ -534,5 +550,13 @@ fn suspended_message(node: &str, s: &Suspension) -> String {
     format!(
         "checkpointed to image {} ({} bytes) on node {} in {} ms{copy}; nothing of it runs until spec.suspended is false",
         s.image, s.size_bytes, node, s.checkpoint_millis
+    )
+}
+
+/// The `Suspended` condition's message for an idle suspend.
+pub(super) fn idle_message(obj: &SandboxObj, node: &str, image: &str) -> String {
+    format!(
+        "idle for {} s (no exec, no port-forward, no console output): checkpointed to image {image} on node {node}; an exec or a port-forward wakes it where it left off",
+        obj.spec.idle_suspend_seconds.unwrap_or_default()
     )
 }
