@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Test binaries that start the real kubelet node (one per machine): lane 0 only.
 NODE_JOBS = {"ramify-e2e/cluster", "ramify-e2e/node", "ramify-e2e/helm_install"}
 # Engine suites that choose their runsc themselves, or run none (run once, not per runsc).
-OWN_RUNSC = {"ramify-engine/lazy_pages", "ramify-engine/port_forward", "ramify-engine/control_socket", "ramify-engine/readme_example", "ramify-engine/no_kubernetes"}
+OWN_RUNSC = {"ramify-engine/lazy_pages", "ramify-engine/port_forward", "ramify-engine/exec_tty", "ramify-engine/control_socket", "ramify-engine/readme_example", "ramify-engine/no_kubernetes"}
 # The packages whose real-runsc suites run again on the current runsc.
 RUNSC_PACKAGES = {"ramify-engine", "ramify-node-agent"}
 # Jobs whose assertions are about latency under load: run alone, after the lanes.

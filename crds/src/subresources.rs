@@ -8,7 +8,10 @@
 //! Exec streams over a WebSocket with the Kubernetes channel protocol
 //! (`v4.channel.k8s.io` / `v5.channel.k8s.io`): every binary message starts with its
 //! channel byte; the last message on [`CHANNEL_STATUS`] is a `metav1.Status` whose
-//! `details.causes` carry the exit code, as `pods/exec` reports it.
+//! `details.causes` carry the exit code, as `pods/exec` reports it. With `stdin=true`
+//! the client's [`CHANNEL_STDIN`] messages are the command's stdin, ended (v5) by
+//! `[CHANNEL_CLOSE, CHANNEL_STDIN]`; with `tty=true` the command has a terminal, whose
+//! output comes on [`CHANNEL_STDOUT`] alone and whose size [`CHANNEL_RESIZE`] sets.
 //!
 //! Port-forward (`portforward?ports=P`) is one TCP connection to port `P` on the
 //! sandbox's loopback per WebSocket, framed as the kubelet frames a Pod's WebSocket
@@ -48,9 +51,14 @@ pub const TLS_NAME_AGENT: &str = "ramify-node-agent";
 
 /// WebSocket subprotocols spoken on exec, preferred first.
 pub const EXEC_PROTOCOLS: [&str; 2] = ["v5.channel.k8s.io", "v4.channel.k8s.io"];
+pub const CHANNEL_STDIN: u8 = 0;
 pub const CHANNEL_STDOUT: u8 = 1;
 pub const CHANNEL_STDERR: u8 = 2;
 pub const CHANNEL_STATUS: u8 = 3;
+/// A terminal's new size, `{"Width":W,"Height":H}` (with `tty=true`).
+pub const CHANNEL_RESIZE: u8 = 4;
+/// v5 only: `[CHANNEL_CLOSE, channel]` closes a channel (stdin's end of file).
+pub const CHANNEL_CLOSE: u8 = 255;
 
 /// WebSocket subprotocols spoken on port-forward (the kubelet's for a Pod).
 pub const PORTFORWARD_PROTOCOLS: [&str; 1] = ["v4.channel.k8s.io"];

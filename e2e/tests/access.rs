@@ -731,3 +731,109 @@ spec:
     drop(api);
     sys.teardown_and_check_clean().await;
 }
+
+/// How long a test waits for a terminal to show something.
+const WAIT: Duration = Duration::from_secs(60);
+
+#[tokio::test]
+async fn exec_it_gives_a_shell_a_terminal_and_exec_i_passes_stdin_whole() {
+    use ramify_engine::tty::{Pty, Screen, Size};
+    use std::io::Write;
+    let sys = System::start("exec-it").await;
+    let _api = sys.start_api();
+    sys.apply(&sys.workspace());
+    sys.wait_running("workspace").await;
+
+    // `exec -i`: 10 MiB piped through `wc -c`, whole, then end of file.
+    let mut child = Command::new(ramify_e2e::binary("kubectl-ramify").unwrap())
+        .args([
+            "-n",
+            &sys.ns.name,
+            "exec",
+            "-i",
+            "workspace",
+            "--",
+            "wc",
+            "-c",
+        ])
+        .env("KUBECONFIG", &sys.cp.kubeconfig)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let feed = std::thread::spawn(move || stdin.write_all(&vec![b'x'; 10 << 20]).unwrap());
+    let out = child.wait_with_output().unwrap();
+    feed.join().unwrap();
+    assert!(out.status.success(), "exec -i exited {:?}", out.status);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "10485760");
+
+    // `exec -it`: the plugin on a terminal of the test's own (its controlling
+    // terminal, so a resize reaches it as SIGWINCH), a shell at the other end.
+    let (pty, replica) = Pty::open(Size { cols: 90, rows: 30 }).unwrap();
+    let dup = || std::process::Stdio::from(replica.try_clone().unwrap());
+    let mut plugin = Command::new("setsid")
+        .arg("--ctty")
+        .arg(ramify_e2e::binary("kubectl-ramify").unwrap())
+        .args([
+            "-n",
+            &sys.ns.name,
+            "exec",
+            "-it",
+            "workspace",
+            "--",
+            "/bin/sh",
+        ])
+        .env("KUBECONFIG", &sys.cp.kubeconfig)
+        .stdin(dup())
+        .stdout(dup())
+        .stderr(dup())
+        .spawn()
+        .unwrap();
+    drop(replica);
+    let mut keys = pty.handle().unwrap();
+    let mut screen = Screen::new(pty.handle().unwrap());
+    screen.expect("# ", WAIT).unwrap();
+    keys.write_all(b"PS1='rea''dy> '\n").unwrap();
+    screen.expect("ready> ", WAIT).unwrap();
+    // What a command prints is told from the echo of what was typed by arithmetic:
+    // `Z$((1+0))Z` prints `Z1Z`.
+    keys.write_all(b"test -t 0 && cat /work/app.conf; stty size; echo Z$((1+0))Z\n")
+        .unwrap();
+    let shown = screen.expect("Z1Z", WAIT).unwrap();
+    assert!(
+        shown.contains("mode=slow") && shown.contains("30 90"),
+        "{shown:?}"
+    );
+    pty.resize(Size {
+        cols: 132,
+        rows: 43,
+    })
+    .unwrap();
+    // The resize travels: plugin (SIGWINCH), API server, ramify-api, agent, runsc.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for n in 2.. {
+        keys.write_all(format!("stty size; echo Z$(({n}+0))Z\n").as_bytes())
+            .unwrap();
+        let shown = screen.expect(&format!("Z{n}Z"), WAIT).unwrap();
+        if shown.contains("43 132") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the resize never arrived: {shown:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    keys.write_all(b"exit 7\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = plugin.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "exec -it did not end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status.code(), Some(7), "the shell's exit code");
+    sys.teardown_and_check_clean().await;
+}

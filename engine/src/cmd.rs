@@ -293,6 +293,22 @@ impl Cmd {
         })
     }
 
+    /// Start it with the given stdio (an interactive exec: a terminal, or a piped
+    /// stdin); dropping the child kills it.
+    pub fn spawn_with(
+        &self,
+        stdin: Stdio,
+        stdout: Stdio,
+        stderr: Stdio,
+    ) -> Result<tokio::process::Child> {
+        let mut c = self.build()?;
+        c.stdin(stdin).stdout(stdout).stderr(stderr);
+        c.spawn().map_err(|source| Error::Spawn {
+            command: self.display(),
+            source,
+        })
+    }
+
     /// Run and require exit code 0.
     pub async fn run(&self) -> Result<Output> {
         let out = self.output().await?;

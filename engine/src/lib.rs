@@ -43,6 +43,7 @@ pub mod spec;
 pub mod store;
 pub mod sweep;
 pub mod system_files;
+pub mod tty;
 
 /// The README's example compiles (`cargo test --doc`); `tests/readme_example.rs` runs it.
 #[cfg(doctest)]

@@ -9,6 +9,7 @@
 //! `sandboxes/exec`, `sandboxes/log`, `sandboxes/diff` and `sandboxes/portforward` in
 //! the sandbox's namespace decides.
 
+mod exec;
 mod port_forward;
 mod top;
 mod tree;
@@ -127,8 +128,15 @@ enum Cmd {
         timeout: u64,
     },
     /// Run a command in a sandbox (or branch): output streams as it comes; exits with
-    /// the command's code. Needs `get` on `sandboxes/exec` (subresources.ramify.dev).
+    /// the command's code. `-i` passes stdin, `-t` gives it a terminal (`-it` for a
+    /// shell). Needs `get` on `sandboxes/exec` (subresources.ramify.dev).
     Exec {
+        /// Pass stdin to the command.
+        #[arg(short = 'i', long)]
+        stdin: bool,
+        /// Run it on a terminal (raw mode here; the window's size follows).
+        #[arg(short = 't', long)]
+        tty: bool,
         sandbox: String,
         #[arg(trailing_var_arg = true, required = true)]
         command: Vec<String>,
@@ -545,10 +553,22 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             )
             .await
         }
-        Cmd::Exec { sandbox, command } => {
+        Cmd::Exec {
+            stdin,
+            tty,
+            sandbox,
+            command,
+        } => {
             // `exec NAME -- CMD`: clap keeps the `--` in a trailing var-arg.
             let command: Vec<String> = command.into_iter().skip_while(|a| a == "--").collect();
-            exec(&client, &ns, &sandbox, &command).await
+            exec::exec(
+                &client,
+                &ns,
+                &sandbox,
+                &command,
+                exec::Attach { stdin, tty },
+            )
+            .await
         }
         Cmd::PortForward {
             sandbox,
@@ -762,54 +782,6 @@ fn subresource_url(ns: &str, sandbox: &str, what: &str, query: &[(&str, &str)]) 
         );
     }
     url
-}
-
-/// Runs `command` in the sandbox through the aggregated API (RBAC: `get` on
-/// `sandboxes/exec` in `subresources.ramify.dev`), printing its output as it comes;
-/// exits with the command's exit code.
-async fn exec(client: &Client, ns: &str, sandbox: &str, command: &[String]) -> Result<ExitCode> {
-    use futures::StreamExt;
-    use std::io::Write;
-    use tokio_tungstenite::tungstenite::Message;
-    let query: Vec<(&str, &str)> = command
-        .iter()
-        .map(|c| ("command", c.as_str()))
-        .chain([("stdout", "true"), ("stderr", "true")])
-        .collect();
-    let req = http::Request::get(subresource_url(ns, sandbox, sub::SUBRESOURCE_EXEC, &query))
-        .body(Vec::new())
-        .map_err(|e| Error::Other(e.to_string()))?;
-    let mut ws = client.connect(req).await.map_err(api_error)?.into_stream();
-    let (mut stdout, mut stderr) = (std::io::stdout(), std::io::stderr());
-    while let Some(msg) = ws.next().await {
-        let msg = msg.map_err(|e| Error::Other(format!("exec stream: {e}")))?;
-        let Message::Binary(data) = msg else {
-            if msg.is_close() {
-                break;
-            }
-            continue;
-        };
-        let Some((&channel, body)) = data.split_first() else {
-            continue;
-        };
-        let written = match channel {
-            sub::CHANNEL_STDOUT => stdout.write_all(body).and_then(|()| stdout.flush()),
-            sub::CHANNEL_STDERR => stderr.write_all(body),
-            sub::CHANNEL_STATUS => {
-                let status: serde_json::Value =
-                    serde_json::from_slice(body).map_err(|e| Error::Other(e.to_string()))?;
-                return match sub::exit_code(&status) {
-                    Ok(code) => Ok(ExitCode::from(u8::try_from(code).unwrap_or(1))),
-                    Err(message) => Err(Error::Other(message)),
-                };
-            }
-            _ => Ok(()),
-        };
-        written.map_err(|e| Error::Other(format!("writing output: {e}")))?;
-    }
-    Err(Error::Other(
-        "the exec stream ended without the command's exit status".into(),
-    ))
 }
 
 /// A GET of a sandbox subresource (`log`, `diff`), its body streamed to `out`.

@@ -309,8 +309,23 @@ impl Engine {
     /// started: the node endpoint streams its output as it comes. Built before it runs,
     /// so not refused for a paused sandbox: the endpoint runs it under a
     /// [`crate::freezer::Look`], which resumes the sandbox first.
-    pub fn exec_command(&self, sb: &LocalSandbox, argv: &[String]) -> Result<crate::cmd::Cmd> {
-        self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)
+    ///
+    /// With `tty` the command is to run on a terminal ([`crate::tty`]): `runsc exec`
+    /// starts in a session of its own whose controlling terminal is its stdin
+    /// (`setsid --ctty`), so the terminal's ^C and resizes reach it as signals, which
+    /// it forwards to the process in the sandbox.
+    pub fn exec_command(
+        &self,
+        sb: &LocalSandbox,
+        argv: &[String],
+        tty: bool,
+    ) -> Result<crate::cmd::Cmd> {
+        let cmd = self.inner.runsc.exec_cmd(&sb.ctx, argv, &sb.workload.env)?;
+        Ok(if tty {
+            cmd.wrapped_in(vec!["setsid".into(), "--ctty".into(), "--wait".into()])
+        } else {
+            cmd
+        })
     }
 
     /// A TCP connection to `port` on the sandbox's loopback (see

@@ -6,7 +6,8 @@
 //! agent announces the endpoint's address on its node Lease.
 //!
 //! Paths (`GET`, below `/v1`): `namespaces/{ns}/sandboxes/{name}/exec?command=...`
-//! (a WebSocket with the Kubernetes channel protocol, output streamed as it comes),
+//! (a WebSocket with the Kubernetes channel protocol, output streamed as it comes,
+//! with `stdin=true` and `tty=true` as a Pod exec's: see [`super::exec_stream`]),
 //! `.../log?follow=true&tailLines=N` (the console log, streamed; following),
 //! `.../diff?path=GLOB` (JSON) and `.../portforward?ports=P` (a WebSocket carrying one
 //! TCP connection to port P on the sandbox's loopback; see
@@ -23,12 +24,11 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::rt::TokioIo;
 use ramify_crds::subresources::{
-    self as sub, CHANNEL_PF_DATA, CHANNEL_PF_ERROR, CHANNEL_STATUS, CHANNEL_STDERR, CHANNEL_STDOUT,
-    EXEC_PROTOCOLS, PORTFORWARD_PROTOCOLS,
+    self as sub, CHANNEL_PF_DATA, CHANNEL_PF_ERROR, EXEC_PROTOCOLS, PORTFORWARD_PROTOCOLS,
 };
 use ramify_runtime::https::{self, Body};
 use ramify_runtime::tls::{self, ClientAuth, TlsError};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
@@ -293,7 +293,11 @@ impl State {
 
     fn exec(&self, req: &mut Request<Incoming>, sb: LocalSandbox) -> Response<Body> {
         let argv = https::query_values(req, "command");
-        let cmd = match self.engine.exec_command(&sb, &argv) {
+        let attach = super::exec_stream::Attach::parse(
+            &https::query_values(req, "stdin"),
+            &https::query_values(req, "tty"),
+        );
+        let cmd = match self.engine.exec_command(&sb, &argv, attach.tty) {
             Ok(c) => c,
             Err(e) => return error_response(&e.into()),
         };
@@ -315,7 +319,7 @@ impl State {
                     // frozen again after.
                     match Look::begin(&runsc, sb.ctx(), &sb.dir, sb.cgroups_path()).await {
                         Ok(look) => {
-                            run_exec(ws, cmd).await;
+                            super::exec_stream::run(ws, cmd, attach).await;
                             drop(busy);
                             if let Err(e) = look.end().await {
                                 warn!(sandbox = %id, error = %e, "refreezing after an exec failed");
@@ -323,7 +327,11 @@ impl State {
                         }
                         Err(e) => {
                             let (mut tx, _) = ws.split();
-                            let _ = send_status(&mut tx, &sub::exec_failure(&e.to_string())).await;
+                            let _ = super::exec_stream::send_status(
+                                &mut tx,
+                                &sub::exec_failure(&e.to_string()),
+                            )
+                            .await;
                         }
                     }
                 }
@@ -417,67 +425,6 @@ fn error_response(e: &EndpointError) -> Response<Body> {
     https::status(code, &e.to_string())
 }
 
-/// Runs the command, streaming its stdout and stderr as channel messages while they
-/// come, then its exit status. A client that goes away kills it.
-async fn run_exec<S>(ws: WebSocketStream<S>, cmd: ramify_engine::cmd::Cmd)
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    let (mut tx, mut rx) = ws.split();
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = send_status(&mut tx, &sub::exec_failure(&e.to_string())).await;
-            return;
-        }
-    };
-    let (frames_tx, mut frames) = tokio::sync::mpsc::channel::<Message>(16);
-    if let Some(out) = child.stdout.take() {
-        tokio::spawn(pump(out, CHANNEL_STDOUT, frames_tx.clone()));
-    }
-    if let Some(err) = child.stderr.take() {
-        tokio::spawn(pump(err, CHANNEL_STDERR, frames_tx.clone()));
-    }
-    drop(frames_tx);
-    loop {
-        tokio::select! {
-            frame = frames.recv() => match frame {
-                Some(m) => {
-                    if tx.send(m).await.is_err() {
-                        // The client is gone: dropping the child kills it.
-                        return;
-                    }
-                }
-                // Both streams ended.
-                None => break,
-            },
-            incoming = rx.next() => match incoming {
-                // Stdin is not forwarded (runsc exec runs with a null stdin).
-                Some(Ok(Message::Binary(_) | Message::Text(_) | Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
-                Some(Ok(Message::Close(_)) | Err(_)) | None => return,
-            },
-        }
-    }
-    let status = match child.wait().await {
-        Ok(st) => {
-            use std::os::unix::process::ExitStatusExt;
-            sub::exit_status(st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)))
-        }
-        Err(e) => sub::exec_failure(&format!("waiting for runsc exec: {e}")),
-    };
-    let _ = send_status(&mut tx, &status).await;
-    let _ = tx.close().await;
-}
-
-async fn send_status<W>(tx: &mut W, status: &serde_json::Value) -> Result<(), W::Error>
-where
-    W: futures::Sink<Message> + Unpin,
-{
-    let mut frame = vec![CHANNEL_STATUS];
-    frame.extend_from_slice(status.to_string().as_bytes());
-    tx.send(Message::Binary(frame.into())).await
-}
-
 /// Carries one port-forward connection: the server's bytes out on the data channel,
 /// the client's data-channel bytes in, until either side ends (the kubelet's framing:
 /// each channel opens with the port).
@@ -529,26 +476,4 @@ where
         }
     }
     let _ = tx.close().await;
-}
-
-/// Copies one output stream into channel messages until it ends.
-async fn pump<R: AsyncRead + Unpin>(
-    mut r: R,
-    channel: u8,
-    out: tokio::sync::mpsc::Sender<Message>,
-) {
-    let mut buf = vec![0u8; 32 << 10];
-    loop {
-        match r.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => {
-                let mut frame = Vec::with_capacity(n + 1);
-                frame.push(channel);
-                frame.extend_from_slice(&buf[..n]);
-                if out.send(Message::Binary(frame.into())).await.is_err() {
-                    return;
-                }
-            }
-        }
-    }
 }

@@ -18,6 +18,7 @@ pub mod decided;
 mod drain;
 pub mod endpoint;
 mod evicted;
+pub mod exec_stream;
 mod exit;
 mod fetch;
 mod heartbeat;

@@ -35,6 +35,24 @@ def test_create_wait_exec_and_files(client: ramify.Client, rootfs_class: str) ->
         with pytest.raises(ramify.Timeout):
             sb.exec("sleep 30", timeout=1)
 
+        # A whole stdin (then end of file), bigger than one message.
+        blob = os.urandom(3 << 20)
+        assert sb.exec("wc -c", stdin=blob).stdout.strip() == str(len(blob))
+        assert sb.exec("cat", stdin="typed\n").stdout == "typed\n"
+        # A shell on a terminal, driven as a person would. What a command prints is
+        # told from the echo of what was typed by arithmetic: `Z$((1+0))Z` prints `Z1Z`.
+        with sb.terminal("/bin/sh", cols=100, rows=40) as t:
+            t.expect("# ")
+            t.write("PS1='rea''dy> '\n")
+            t.expect("ready> ")
+            t.write("test -t 0 && stty size; echo Z$((1+0))Z\n")
+            assert "40 100" in t.expect("Z1Z")
+            t.resize(120, 50)
+            t.write("stty size; echo Z$((2+0))Z\n")
+            assert "50 120" in t.expect("Z2Z")
+            t.write("exit 4\n")
+            assert t.wait(timeout=30) == 4
+
         # Binary content bigger than one write chunk, into a directory not yet there.
         data = os.urandom(40_000) + b"\x00end"
         sb.files.write("/work/dir/blob.bin", data)

@@ -4,7 +4,7 @@ The synchronous API lives here; :mod:`ramify.aio` has the same names for asyncio
 """
 
 from ._client import Client
-from ._exec import ExecResult
+from ._exec import ExecResult, Terminal
 from ._usage import Usage
 from .branchset import (
     FIRST_COMMIT_WINS,
@@ -70,6 +70,7 @@ __all__ = [
     "SandboxFailed",
     "Snapshot",
     "SnapshotFailed",
+    "Terminal",
     "Timeout",
     "Usage",
     "WrongState",

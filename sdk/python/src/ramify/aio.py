@@ -130,9 +130,13 @@ class Sandbox:
         return self
 
     async def exec(
-        self, cmd: Command, timeout: float | None = 60, check: bool = False
+        self,
+        cmd: Command,
+        timeout: float | None = 60,
+        check: bool = False,
+        stdin: bytes | str | None = None,
     ) -> ExecResult:
-        return await asyncio.to_thread(self.sync.exec, cmd, timeout, check)
+        return await asyncio.to_thread(self.sync.exec, cmd, timeout, check, stdin)
 
     async def snapshot(self, name: str | None = None, **kwargs: Any) -> Snapshot:
         return Snapshot(await asyncio.to_thread(lambda: self.sync.snapshot(name, **kwargs)))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _exec
 from ._client import API_VERSION, LABEL_NODE, Client, Obj, ready_reason
-from ._exec import ExecResult
+from ._exec import ExecResult, Terminal
 from ._usage import Usage
 from .errors import (
     ImagePullFailed,
@@ -258,17 +258,31 @@ class Sandbox:
 
     # --- inside the sandbox -------------------------------------------------------------
 
-    def exec(self, cmd: Command, timeout: float | None = 60, check: bool = False) -> ExecResult:
+    def exec(
+        self,
+        cmd: Command,
+        timeout: float | None = 60,
+        check: bool = False,
+        stdin: bytes | str | None = None,
+    ) -> ExecResult:
         """Runs ``cmd`` (a shell string, or an argv list) in the sandbox through the
-        aggregated API (RBAC: ``get`` on ``sandboxes/exec``). With ``check``, a
-        non-zero exit raises :class:`RamifyError`."""
-        res = _exec.run(self.client, self.name, argv(cmd), timeout)
+        aggregated API (RBAC: ``get`` on ``sandboxes/exec``). ``stdin`` (bytes, or a
+        string sent as UTF-8) is its whole stdin. With ``check``, a non-zero exit
+        raises :class:`RamifyError`."""
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        res = _exec.run(self.client, self.name, argv(cmd), timeout, stdin=data)
         if check and res.exit_code != 0:
             raise RamifyError(
                 f"{cmd!r} in {self.name} exited {res.exit_code}: {res.stderr.strip()}",
                 reason="NonZeroExitCode",
             )
         return res
+
+    def terminal(self, cmd: Command = "/bin/sh", cols: int = 80, rows: int = 24) -> Terminal:
+        """Starts ``cmd`` (default: a shell) on a terminal in the sandbox, to be driven
+        as a person would (``write``, ``expect``, ``resize``, ``wait``); what ``kubectl
+        ramify exec -it`` does. RBAC: ``get`` on ``sandboxes/exec``."""
+        return _exec.terminal(self.client, self.name, argv(cmd), cols, rows)
 
     # --- forking ------------------------------------------------------------------------
 
