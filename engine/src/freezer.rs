@@ -31,6 +31,17 @@ impl FreezeLock {
         Self::take(sandbox_dir, nix::fcntl::FlockArg::LockExclusive)
     }
 
+    /// The exclusive lock if nobody holds the lock now (`None`: someone does).
+    pub fn try_acquire(sandbox_dir: &Path) -> Result<Option<FreezeLock>> {
+        match Self::take(sandbox_dir, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(l) => Ok(Some(l)),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::WouldBlock => {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Blocks until the lock is held along with other looks, and nobody holds it
     /// exclusively (call off the async workers).
     pub fn acquire_shared(sandbox_dir: &Path) -> Result<FreezeLock> {
@@ -306,6 +317,74 @@ impl Look {
             }
             _ => Ok(()),
         }
+    }
+}
+
+/// What the agent's pause or resume of a sandbox did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done now.
+    Done,
+    /// Looks are in progress (an exec, a port-forward): the sandbox runs for them, and
+    /// the last one to end leaves it as asked (paused to that depth, or running).
+    Deferred,
+}
+
+/// Pauses the sandbox for the agent (a decided branch, a loser), never waiting for a
+/// person's look: while looks are in progress the last one to end pauses it instead.
+/// Takes the sandbox's lock itself.
+pub async fn pause_over_looks(
+    runsc: &Runsc,
+    ctx: &SandboxCtx,
+    dir: &Path,
+    cgroups_path: &str,
+    depth: Depth,
+) -> Result<Outcome> {
+    over_looks(dir, Some(depth), || {
+        pause(runsc, ctx, dir, cgroups_path, depth)
+    })
+    .await
+}
+
+/// Resumes the sandbox for the agent (a winner's commit), never waiting for a look:
+/// while looks are in progress it runs already, and none of them pauses it again.
+pub async fn resume_over_looks(
+    runsc: &Runsc,
+    ctx: &SandboxCtx,
+    dir: &Path,
+    cgroups_path: &str,
+) -> Result<Outcome> {
+    over_looks(dir, None, || resume(runsc, ctx, dir, cgroups_path)).await
+}
+
+/// `act` under the exclusive lock when no look is in progress; otherwise the looks'
+/// end state becomes `after` (`Some(depth)`: paused; `None`: running).
+async fn over_looks<F, Fut>(dir: &Path, after: Option<Depth>, act: F) -> Result<Outcome>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    loop {
+        let mut looks = LOOKS.lock().await;
+        if let Some(l) = looks.get_mut(dir) {
+            l.restore = after;
+            return Ok(Outcome::Deferred);
+        }
+        // A look holding the lock but not yet counted waits for `LOOKS`: let it in,
+        // and it is found above next time.
+        let held = {
+            let dir = dir.to_path_buf();
+            tokio::task::spawn_blocking(move || FreezeLock::try_acquire(&dir))
+                .await
+                .map_err(|e| Error::Join(e.to_string()))??
+        };
+        if let Some(_lock) = held {
+            act().await?;
+            drop(looks);
+            return Ok(Outcome::Done);
+        }
+        drop(looks);
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
 

@@ -2,7 +2,7 @@
 //! sandbox's loopback and to one on all its addresses, byte for byte for 10 MiB, twenty
 //! at once, a clear refusal where nothing listens, each branch of a fork reached on its
 //! own, a paused branch reached while looks hold it (two at once, the last one pausing
-//! it again), and a clear error from a runsc
+//! it again; the agent's own pause and resume never wait for a look), and a clear error from a runsc
 //! that cannot (Debian's, with an abstract control socket).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -144,6 +144,52 @@ async fn port_forward_reaches_a_sandboxs_servers_and_each_branchs_own() {
     assert_eq!(page(&h, b0, 8000).await.as_deref(), Ok(b0.name.as_str()));
     second.end().await.unwrap();
     assert!(freezer::is_paused(&b0.dir));
+
+    // The agent never waits for a look. Its resume (a commit) during one: the branch
+    // runs already, and the look's end does not pause it again.
+    let look = h.engine.look(b0).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let done = freezer::resume_over_looks(&runsc, b0.ctx(), &b0.dir, b0.cgroups_path())
+        .await
+        .unwrap();
+    assert_eq!(done, freezer::Outcome::Deferred);
+    look.end().await.unwrap();
+    assert!(
+        !freezer::is_paused(&b0.dir),
+        "a look paused a committed branch"
+    );
+    // Its pause (a verdict) during a connection: the connection goes on, and its end
+    // pauses the branch.
+    let look = h.engine.look(b0).await.unwrap();
+    let mut conn = h.engine.port_forward(b0, 8000).await.unwrap();
+    let done =
+        freezer::pause_over_looks(&runsc, b0.ctx(), &b0.dir, b0.cgroups_path(), Depth::Pause)
+            .await
+            .unwrap();
+    assert_eq!(done, freezer::Outcome::Deferred);
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(2),
+        "the agent waited {:?} for looks",
+        t0.elapsed()
+    );
+    conn.write_all(b"GET /index.html HTTP/1.0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut resp = Vec::new();
+    conn.read_to_end(&mut resp).await.unwrap();
+    assert!(String::from_utf8_lossy(&resp).ends_with(&format!("{}\n", b0.name)));
+    assert!(!freezer::is_paused(&b0.dir));
+    look.end().await.unwrap();
+    assert!(
+        freezer::is_paused(&b0.dir),
+        "the last look did not pause it"
+    );
+    // With no look: done at once.
+    let done = freezer::resume_over_looks(&runsc, b0.ctx(), &b0.dir, b0.cgroups_path())
+        .await
+        .unwrap();
+    assert_eq!(done, freezer::Outcome::Done);
+    assert!(!freezer::is_paused(&b0.dir));
 
     for b in branches {
         h.destroy_clean(b).await;

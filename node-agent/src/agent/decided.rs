@@ -13,10 +13,10 @@ use ramify_crds::{BranchSet, Sandbox as SandboxObj};
 use tracing::{debug, warn};
 
 use super::Agent;
-use crate::error::{EngineError, Error, Result};
+use crate::error::{Error, Result};
 use ramify_engine::cgroup;
 use ramify_engine::engine::LocalSandbox;
-use ramify_engine::freezer::{self, FreezeLock};
+use ramify_engine::freezer;
 
 /// Where a branch lives on the node (read without its handle: a running command
 /// holds that).
@@ -138,26 +138,18 @@ impl Decided {
             return None;
         }
         let place = self.place(uid).filter(|p| p.dir.exists())?;
-        let r = async {
-            let dir = place.dir.clone();
-            let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
-                .await
-                .map_err(|e| Error::Engine(EngineError::Join(e.to_string())))??;
-            // Forgotten (deleted) while the lock was awaited: leave it to the teardown.
-            if self.place(uid).is_none() {
-                return Ok(false);
-            }
-            freezer::pause(
-                &self.runsc,
-                &place.ctx,
-                &place.dir,
-                &place.cgroups_path,
-                depth,
-            )
-            .await?;
-            Ok::<_, Error>(true)
-        }
-        .await;
+        // A person's look (an exec, a port-forward) is never waited for: it keeps the
+        // branch running, and the last one to end freezes it.
+        let r = freezer::pause_over_looks(
+            &self.runsc,
+            &place.ctx,
+            &place.dir,
+            &place.cgroups_path,
+            depth,
+        )
+        .await
+        .map(|o| o == freezer::Outcome::Done)
+        .map_err(Error::from);
         match r {
             Ok(true) => {
                 if let Ok(mut f) = self.frozen.lock() {
@@ -181,17 +173,15 @@ impl Decided {
         }
     }
 
-    /// Thaws a frozen branch for its commit (waits for a person's look to end first).
+    /// Thaws a frozen branch for its commit. A person's look in progress is not waited
+    /// for: the branch runs for it already, and no look pauses it again.
     pub(super) async fn thaw(&self, uid: &str) -> Result<()> {
         // Gone already (destroyed): nothing is frozen.
         let Some(place) = self.place(uid).filter(|p| p.dir.exists()) else {
             return Ok(());
         };
-        let dir = place.dir.clone();
-        let _lock = tokio::task::spawn_blocking(move || FreezeLock::acquire(&dir))
-            .await
-            .map_err(|e| Error::Engine(EngineError::Join(e.to_string())))??;
-        freezer::resume(&self.runsc, &place.ctx, &place.dir, &place.cgroups_path).await?;
+        freezer::resume_over_looks(&self.runsc, &place.ctx, &place.dir, &place.cgroups_path)
+            .await?;
         if let Ok(mut f) = self.frozen.lock() {
             f.remove(uid);
         }
