@@ -37,6 +37,7 @@ use tracing::{info, warn};
 
 use super::idle::Activity;
 use super::registry::Registry;
+use super::stream_limit::{Kind, StreamLimits};
 use ramify_engine::engine::{Engine, LocalSandbox};
 use ramify_engine::freezer::Look;
 
@@ -134,6 +135,7 @@ impl Endpoint {
             engine,
             registry,
             activity,
+            streams: Arc::default(),
         });
         https::serve(self.listener, self.config, move |_cert, req| {
             let state = state.clone();
@@ -148,6 +150,8 @@ struct State {
     registry: Registry,
     /// Execs count as activity (idle suspend); an exec wakes an idle sandbox.
     activity: Arc<Activity>,
+    /// Streams open per sandbox, within limits.
+    streams: Arc<StreamLimits>,
 }
 
 /// How long an exec waits for an idle-suspended sandbox to wake.
@@ -305,6 +309,10 @@ impl State {
             Ok(a) => a,
             Err(refused) => return *refused,
         };
+        let stream = match self.streams.open(&sb.id, &sb.name, Kind::Exec) {
+            Ok(s) => s,
+            Err(why) => return https::status(StatusCode::TOO_MANY_REQUESTS, &why),
+        };
         let upgrade = hyper::upgrade::on(req);
         let id = sb.id.clone();
         let runsc = self.engine.runsc().clone();
@@ -321,6 +329,7 @@ impl State {
                         Ok(look) => {
                             super::exec_stream::run(ws, cmd, attach).await;
                             drop(busy);
+                            drop(stream);
                             if let Err(e) = look.end().await {
                                 warn!(sandbox = %id, error = %e, "refreezing after an exec failed");
                             }
@@ -354,6 +363,10 @@ impl State {
             Ok(a) => a,
             Err(refused) => return *refused,
         };
+        let stream = match self.streams.open(&sb.id, &sb.name, Kind::PortForward) {
+            Ok(s) => s,
+            Err(why) => return https::status(StatusCode::TOO_MANY_REQUESTS, &why),
+        };
         let look = match self.engine.look(&sb).await {
             Ok(l) => l,
             Err(e) => return error_response(&e.into()),
@@ -384,6 +397,7 @@ impl State {
                 Err(e) => warn!(sandbox = %id, error = %e, "port-forward upgrade failed"),
             }
             drop(busy);
+            drop(stream);
             if let Err(e) = look.end().await {
                 warn!(sandbox = %id, error = %e, "pausing again after a port-forward failed");
             }

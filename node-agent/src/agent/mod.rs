@@ -42,6 +42,7 @@ mod snapshot;
 mod snapshot_remote;
 mod start;
 mod store_quota;
+pub mod stream_limit;
 mod suspend;
 mod usage;
 pub mod verdict_watch;
