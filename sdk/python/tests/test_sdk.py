@@ -53,6 +53,30 @@ def test_create_wait_exec_and_files(client: ramify.Client, rootfs_class: str) ->
             t.write("exit 4\n")
             assert t.wait(timeout=30) == 4
 
+        # A server on the sandbox's loopback only, reached through a port-forward.
+        sb.exec(
+            "mkdir -p /www && echo served > /www/index.html && httpd -p 127.0.0.1:8000 -h /www",
+            check=True,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = sb.connect(8000)
+                break
+            except ramify.RamifyError:
+                assert time.monotonic() < deadline, "httpd never listened"
+                time.sleep(0.2)
+        try:
+            conn.sendall(b"GET /index.html HTTP/1.0\r\n\r\n")
+            resp = b""
+            while chunk := conn.recv(65536):
+                resp += chunk
+        finally:
+            conn.close()
+        assert resp.startswith(b"HTTP/1.") and resp.endswith(b"served\n"), resp
+        with pytest.raises(ramify.RamifyError, match="nothing accepts connections on port 9"):
+            sb.connect(9)
+
         # Binary content bigger than one write chunk, into a directory not yet there.
         data = os.urandom(40_000) + b"\x00end"
         sb.files.write("/work/dir/blob.bin", data)

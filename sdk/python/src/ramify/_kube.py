@@ -13,4 +13,6 @@ k8s: Any = kubernetes.client
 k8s_config: Any = kubernetes.config
 k8s_watch: Any = kubernetes.watch
 WSClient: Any = kubernetes.stream.ws_client.WSClient
+PortForward: Any = kubernetes.stream.ws_client.PortForward
+create_websocket: Any = kubernetes.stream.ws_client.create_websocket
 ApiException: type[Exception] = kubernetes.client.exceptions.ApiException

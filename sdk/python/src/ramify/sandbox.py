@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import base64
 import secrets
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _exec
+from . import _exec, _port_forward
 from ._client import API_VERSION, LABEL_NODE, Client, Obj, ready_reason
 from ._exec import ExecResult, Terminal
 from ._usage import Usage
@@ -283,6 +284,14 @@ class Sandbox:
         as a person would (``write``, ``expect``, ``resize``, ``wait``); what ``kubectl
         ramify exec -it`` does. RBAC: ``get`` on ``sandboxes/exec``."""
         return _exec.terminal(self.client, self.name, argv(cmd), cols, rows)
+
+    def connect(self, port: int) -> socket.socket:
+        """A TCP connection to ``port`` on the sandbox's loopback (a server there may
+        listen on 127.0.0.1 only), what ``kubectl ramify port-forward`` makes per
+        connection: ``sendall``, ``recv``, ``close``. A port nothing listens on raises
+        :class:`RamifyError`. RBAC: ``get`` on ``sandboxes/portforward``."""
+        sock: socket.socket = _port_forward.connect(self.client, self.name, port)
+        return sock
 
     # --- forking ------------------------------------------------------------------------
 
