@@ -26,6 +26,10 @@
 //! `--scenarios suspend`: suspend and resume of a workspace per `--dirty` size, next to
 //! a fresh start that redoes its work.
 //!
+//! `--scenarios portforward`: a request through a port-forward, the engine's way (one
+//! call on the sandbox's control socket) next to `runsc port-forward --stream` by hand
+//! (`--pf-requests`).
+//!
 //! Needs root, runsc, busybox-static, containernetworking-plugins, iptables.
 
 use std::path::{Path, PathBuf};
@@ -57,7 +61,7 @@ struct Args {
     #[arg(long, default_value = "auto")]
     platform: String,
     /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`,
-    /// `suspend`, `images`, `store`, `throttle`, `lazy`, `python`.
+    /// `suspend`, `images`, `store`, `throttle`, `lazy`, `python`, `portforward`.
     #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
     scenarios: Vec<String>,
     /// Platforms the platform scenario compares (each must work with --runsc).
@@ -110,6 +114,9 @@ struct Args {
     /// Branches the `python` scenario forks.
     #[arg(long, default_value_t = 4)]
     python_branches: u32,
+    /// Requests each way in the `portforward` scenario.
+    #[arg(long, default_value_t = 30)]
+    pf_requests: usize,
 }
 
 #[path = "ramify-bench/images.rs"]
@@ -118,6 +125,8 @@ mod images;
 mod lazy;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
+#[path = "ramify-bench/port_forward.rs"]
+mod port_forward;
 #[path = "ramify-bench/python.rs"]
 mod python;
 #[path = "ramify-bench/store.rs"]
@@ -402,6 +411,9 @@ async fn main() -> Result<()> {
     }
     if result.is_ok() && args.scenarios.iter().any(|s| s == "throttle") {
         result = throttle::run(&engine, &rootfs, &args.throttle_cpus, args.throttle_runs).await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "portforward") {
+        result = port_forward::run(&engine, &rootfs, &dir, args.pf_requests).await;
     }
     if result.is_ok() && args.scenarios.iter().any(|s| s == "store") {
         result = store::run(&engine, &rootfs, &dir, args.store_dirty).await;
