@@ -154,7 +154,15 @@ async fn forward(client: &Client, url: &str, mut tcp: TcpStream) -> Result<()> {
     let req = http::Request::get(url)
         .body(Vec::new())
         .map_err(|e| Error::Other(e.to_string()))?;
-    let ws = client.connect(req).await.map_err(api_error)?.into_stream();
+    // The API's refusal, as its message alone (the sandbox says what is wrong).
+    let ws = client
+        .connect(req)
+        .await
+        .map_err(|e| match e {
+            kube::Error::Api(s) if !s.message.is_empty() => Error::Other(s.message),
+            other => api_error(other),
+        })?
+        .into_stream();
     let (mut tx, mut rx) = ws.split();
     let (mut from, mut to) = tcp.split();
     // The server opens each channel with its port (two bytes): not data.

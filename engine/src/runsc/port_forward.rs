@@ -39,10 +39,11 @@ pub async fn connect(ctx: &SandboxCtx, port: u16) -> Result<tokio::net::UnixStre
     let id = ctx.id.clone();
     let path = socket_path(ctx);
     if !path.exists() {
-        return Err(Error::Invalid(format!(
-            "sandbox {id} has no control socket file (an older runsc, whose control socket \
+        return Err(Error::Invalid(
+            "its runsc keeps no control socket file (an older runsc, whose control socket \
              is abstract): port-forward needs the pinned runsc"
-        )));
+                .into(),
+        ));
     }
     let req = request(
         PORT_FORWARD,

@@ -223,7 +223,10 @@ impl State {
         }
         match what {
             sub::SUBRESOURCE_EXEC => self.exec(&mut req, sb),
-            sub::SUBRESOURCE_PORTFORWARD => self.port_forward(&mut req, sb).await,
+            sub::SUBRESOURCE_PORTFORWARD => {
+                self.port_forward(&mut req, sb, &format!("{ns}/{name}"))
+                    .await
+            }
             sub::SUBRESOURCE_LOG => {
                 let opts = match super::console_log::LogOptions::parse(
                     &https::query_values(&req, "follow"),
@@ -354,7 +357,12 @@ impl State {
     /// WebSocket. Connected before the upgrade, so "nothing listens there" reaches the
     /// client as an HTTP error. A decided (paused) branch is resumed for the
     /// connection's life and paused again after; the connection counts as activity.
-    async fn port_forward(&self, req: &mut Request<Incoming>, sb: LocalSandbox) -> Response<Body> {
+    async fn port_forward(
+        &self,
+        req: &mut Request<Incoming>,
+        sb: LocalSandbox,
+        display: &str,
+    ) -> Response<Body> {
         let port = match sub::forwarded_port(&https::query_values(req, "ports")) {
             Ok(p) => p,
             Err(why) => return https::status(StatusCode::BAD_REQUEST, &why),
@@ -377,11 +385,15 @@ impl State {
                 if let Err(e) = look.end().await {
                     warn!(sandbox = %sb.id, error = %e, "pausing again after a refused port-forward failed");
                 }
-                let code = match e {
-                    ramify_engine::Error::Invalid(_) => StatusCode::CONFLICT,
-                    _ => StatusCode::BAD_GATEWAY,
+                // Said with the sandbox's name, not the node's id for it.
+                let (code, why) = match e {
+                    ramify_engine::Error::Invalid(why) => (StatusCode::CONFLICT, why),
+                    ramify_engine::Error::Sandbox { reason, .. } => {
+                        (StatusCode::BAD_GATEWAY, reason)
+                    }
+                    other => (StatusCode::BAD_GATEWAY, other.to_string()),
                 };
-                return https::status(code, &e.to_string());
+                return https::status(code, &format!("sandbox {display}: {why}"));
             }
         };
         let upgrade = hyper::upgrade::on(req);
