@@ -92,26 +92,35 @@ def exit_code_of(status: dict[str, object]) -> int:
     )
 
 
+def auth_headers(client: Client) -> dict[str, str]:
+    """The request headers that carry the client's credentials to the API server."""
+    auth = client.configuration.get_api_key_with_prefix("authorization")
+    return {"authorization": auth} if auth else {}
+
+
+def refusal(e: WebSocketBadStatusException) -> RamifyError:
+    """The API's refusal of a WebSocket (its ``metav1.Status``) as a typed error."""
+    body = e.resp_body.decode("utf-8", "replace") if isinstance(e.resp_body, bytes) else ""
+    message, reason = body.strip(), ""
+    try:
+        doc = json.loads(body)
+        message, reason = str(doc.get("message", message)), str(doc.get("reason", ""))
+    except ValueError:
+        pass
+    return status_error(int(e.status_code), message or str(e), reason)
+
+
 def connect(
     client: Client, name: str, argv: list[str], stdin: bool = False, tty: bool = False
 ) -> Any:
     """The exec's WebSocket (a ``WSClient``), or the API's refusal as an error."""
-    headers: dict[str, str] = {}
-    auth = client.configuration.get_api_key_with_prefix("authorization")
-    if auth:
-        headers["authorization"] = auth
     url = exec_url(client, name, argv, stdin=stdin, tty=tty)
     try:
-        return WSClient(client.configuration, url, headers, capture_all=False, binary=True)
+        return WSClient(
+            client.configuration, url, auth_headers(client), capture_all=False, binary=True
+        )
     except WebSocketBadStatusException as e:
-        body = e.resp_body.decode("utf-8", "replace") if isinstance(e.resp_body, bytes) else ""
-        message, reason = body.strip(), ""
-        try:
-            doc = json.loads(body)
-            message, reason = str(doc.get("message", message)), str(doc.get("reason", ""))
-        except ValueError:
-            pass
-        raise status_error(int(e.status_code), message or str(e), reason) from None
+        raise refusal(e) from None
     except (WebSocketException, OSError) as e:
         raise RamifyError(f"exec into {name}: {e}", reason="Unreachable") from e
 

@@ -7,15 +7,15 @@ not a socket that closes."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 from urllib.parse import quote, urlencode
 
 from websocket import WebSocketBadStatusException, WebSocketException
 
 from ._client import SUBRESOURCE_GROUP, SUBRESOURCE_VERSION, Client
+from ._exec import auth_headers, refusal
 from ._kube import PortForward, create_websocket
-from .errors import RamifyError, status_error
+from .errors import RamifyError
 
 
 def portforward_url(client: Client, name: str, port: int) -> str:
@@ -36,21 +36,11 @@ def connect(client: Client, name: str, port: int) -> Any:
     """A connected socket to ``port`` in sandbox ``name``."""
     if not 0 < port < 65536:
         raise ValueError(f"port {port} is not a port (1-65535)")
-    headers: dict[str, str] = {"sec-websocket-protocol": "v4.channel.k8s.io"}
-    auth = client.configuration.get_api_key_with_prefix("authorization")
-    if auth:
-        headers["authorization"] = auth
+    headers = {"sec-websocket-protocol": "v4.channel.k8s.io", **auth_headers(client)}
     try:
         ws = create_websocket(client.configuration, portforward_url(client, name, port), headers)
     except WebSocketBadStatusException as e:
-        body = e.resp_body.decode("utf-8", "replace") if isinstance(e.resp_body, bytes) else ""
-        message, reason = body.strip(), ""
-        try:
-            doc = json.loads(body)
-            message, reason = str(doc.get("message", message)), str(doc.get("reason", ""))
-        except ValueError:
-            pass
-        raise status_error(int(e.status_code), message or str(e), reason) from None
+        raise refusal(e) from None
     except (WebSocketException, OSError) as e:
         raise RamifyError(f"port-forward to {name}:{port}: {e}", reason="Unreachable") from e
     return PortForward(ws, [port]).socket(port)
