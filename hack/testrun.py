@@ -189,6 +189,20 @@ class Lanes:
         return self.outcomes
 
 
+def panics(text: str) -> list[str]:
+    """Each `panicked at` of a test log with the message under it (up to 6 lines, each
+    cut at 400 characters): the test's name, where and why."""
+    out: list[str] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if " panicked at " not in line:
+            continue
+        msg = [ln[:400] for ln in lines[i + 1 : i + 7] if not ln.startswith("note: run with")]
+        end = next((k for k, ln in enumerate(msg) if not ln.strip()), len(msg))
+        out.append(" | ".join([line[:400], *msg[:end]]))
+    return out
+
+
 def keep_component_logs(job: Job, lane_env: dict[str, str], report: Path) -> None:
     """A failed job's systems' component logs (operator, node agents, ramify-api), kept
     in the report before the lane's next system sweeps their directories away."""
@@ -344,8 +358,14 @@ def main() -> int:
     bad = [o for o in outcomes if o.rc != 0]
     for o in bad:
         text = o.log.read_text(errors="replace")
-        tail = text[text.rfind("\nfailures:\n") :] if "\nfailures:\n" in text else "\n".join(text.splitlines()[-80:])
+        # libtest writes "failures:" twice: first each failed test's output and panic,
+        # then only their names. The first is the one that says why.
+        tail = text[text.find("\nfailures:\n") :] if "\nfailures:\n" in text else "\n".join(text.splitlines()[-80:])
         print(f"\n==> FAILED: {o.job.name} (lane {o.lane}, exit {o.rc}; log {o.log})\n{tail[-20000:]}")
+    # Last, where a reader of only the end of the output looks: each failed test's panic.
+    for o in bad:
+        for why in panics(o.log.read_text(errors="replace")):
+            print(f"==> why {o.job.name} failed: {why}")
     passed = sum(o.passed for o in outcomes)
     failed = sum(o.failed for o in outcomes)
     (args.report / "counts").write_text(f"{passed} {failed}\n")

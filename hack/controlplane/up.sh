@@ -143,18 +143,19 @@ source "$(dirname "${BASH_SOURCE[0]}")/../lib/daemon.sh"
 # etcd and kube-apiserver run at a higher CPU weight than the sandboxes and tools on
 # this machine: a control plane has machines of its own in a real cluster, and here it
 # shares two cores with a hundred restoring sandboxes. Our own processes only (root may
-# lower a niceness); no host setting changes. RAMIFY_CP_NICE=0 turns it off.
-prio=(nice -n "${RAMIFY_CP_NICE:--5}")
+# lower a niceness; see `start` for why the session's group is set too); no host setting
+# changes. RAMIFY_CP_NICE=0 turns it off.
+prio="${RAMIFY_CP_NICE:--5}"
 
 log "starting etcd on 127.0.0.1:$etcd_port"
-start etcd "${prio[@]}" "$bin/etcd" --name ramify --data-dir "$dir/etcd" \
+DAEMON_NICE="$prio" start etcd "$bin/etcd" --name ramify --data-dir "$dir/etcd" \
   --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
   --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
   --initial-cluster "ramify=http://127.0.0.1:$peer_port" --unsafe-no-fsync=true --log-level warn
 wait_for etcd 30 curl -sf "http://127.0.0.1:$etcd_port/health"
 
 log "starting kube-apiserver on https://127.0.0.1:$api_port"
-start kube-apiserver "${prio[@]}" "$bin/kube-apiserver" "${apiserver_args[@]}"
+DAEMON_NICE="$prio" start kube-apiserver "$bin/kube-apiserver" "${apiserver_args[@]}"
 wait_for kube-apiserver 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get --raw /readyz
 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" apply -f - >/dev/null <<EOF || die "binding the kubelet client failed"
 apiVersion: rbac.authorization.k8s.io/v1

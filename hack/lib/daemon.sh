@@ -2,9 +2,15 @@
 # hack/node/up.sh). The caller defines `dir` (with logs/ and run/ in it) and `die`.
 
 # start NAME ARGS...: runs ARGS as a daemon in its own session, its output in
-# $dir/logs/NAME.log and its pid in $dir/run/NAME.pid.
+# $dir/logs/NAME.log and its pid in $dir/run/NAME.pid. With DAEMON_NICE=N set, the
+# daemon runs at niceness N, and so does its session's scheduling group: with the
+# kernel's autogroups on (sched_autogroup_enabled), a new session is a group of its own
+# that competes with every other at nice 0 whatever its tasks' niceness, so `nice`
+# alone changes nothing against other sessions. The group is the daemon's own (made by
+# its setsid), never the caller's.
 start() {
   local name="$1"; shift
+  local nice="${DAEMON_NICE:-}"
   (
     # Close every descriptor inherited beyond stdio (a caller's lock file, a test
     # harness's pipes): a daemon holding them would keep the lock held, or the
@@ -13,6 +19,11 @@ start() {
       fd="${fd##*/}"
       if ((fd > 2)); then eval "exec $fd>&-" 2>/dev/null || true; fi
     done
+    if [[ -n "$nice" ]]; then
+      # shellcheck disable=SC2016 # expanded by the daemon's own shell
+      exec setsid bash -c '[[ ! -e /proc/self/autogroup ]] || echo "$0" >/proc/self/autogroup; exec nice -n "$0" "$@"' \
+        "$nice" "$@" >"$dir/logs/$name.log" 2>&1 </dev/null
+    fi
     exec setsid "$@" >"$dir/logs/$name.log" 2>&1 </dev/null
   ) &
   echo $! >"$dir/run/$name.pid"
