@@ -119,6 +119,12 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
             job.lane_only = 0
         if name in SOLO_JOBS:
             job.solo = True
+            # A control plane of its own, at the priority hack/controlplane/up.sh gives
+            # by default (the lanes' run at none): its bounds are the API server's
+            # latency with a hundred sandboxes restoring on the same two cores.
+            solo_cp = REPO / ".ramify/test-solo/controlplane"
+            job.env.update({"RAMIFY_CP_DIR": str(solo_cp), "RAMIFY_CP_PORT_BASE": "17140", "RAMIFY_CP_NICE": "-5"})
+            job.after = ["env", f"RAMIFY_CP_DIR={solo_cp}", "RAMIFY_CP_PORT_BASE=17140", str(REPO / "hack/controlplane/down.sh")]
         if name == "ramify-e2e/helm_install":
             # A control plane of its own that advertises the node IP (Pods reach it).
             helm_cp = REPO / ".ramify/test-helm/controlplane"

@@ -229,18 +229,6 @@ spec:
     )
 }
 
-async fn hold_reached(sys: &System, marker: &std::path::Path, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !marker.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: never reached\n{}",
-            sys.diagnostics()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn committed_by_b1(sys: &System, name: &str) {
     let bs = sys
         .wait_branchset(name, "ended", 240, |b| {
@@ -293,7 +281,7 @@ async fn node_agents_killed_mid_download_and_mid_cross_node_commit_resume_with_o
     }
     sys.apply(&pair("mid-download"));
     let marker = fault_dir.join("download-partial");
-    hold_reached(&sys, &marker, "n1's download").await;
+    sys.hold_reached(&marker, "n1's download").await;
     {
         let agent = &mut sys.nodes[0].agent;
         agent.kill().unwrap();
@@ -313,12 +301,8 @@ async fn node_agents_killed_mid_download_and_mid_cross_node_commit_resume_with_o
     sys.agent.start().unwrap();
     sys.apply(&pair("mid-commit"));
     let marker = fault_dir.join("shipped-restored");
-    hold_reached(
-        &sys,
-        &marker,
-        "the parent's node restoring the shipped winner",
-    )
-    .await;
+    sys.hold_reached(&marker, "the parent's node restoring the shipped winner")
+        .await;
     sys.agent.kill().unwrap();
     sys.agent.set_env("RAMIFY_FAULT_HOLD", None);
     sys.agent.start().unwrap();
@@ -565,7 +549,8 @@ async fn a_node_agent_gone_for_good_fails_its_branches_and_the_set_commits_witho
     }
     sys.apply(&pair("lost-winner"));
     let marker = fault_dir.join("ship-asked");
-    hold_reached(&sys, &marker, "n2 asked to ship the winner").await;
+    sys.hold_reached(&marker, "n2 asked to ship the winner")
+        .await;
     let count_before = counter_on(&sys, &sys.state_dir, "ws").await;
     sys.nodes[n2_index].agent.kill().unwrap();
     let killed = Instant::now();

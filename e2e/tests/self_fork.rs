@@ -131,6 +131,16 @@ async fn a_workload_forks_itself_four_ways_and_the_winner_becomes_the_workspace_
     sys.wait_branches_gone(&bs_name, 60).await;
     let ev = sys.event("ws", "SelfFork").await;
     assert!(ev.note.unwrap_or_default().contains("4 ways"));
+    // Local first: the node captured the request on the spot and restored the four
+    // branches before their objects existed; the set's Snapshot adopted that capture and
+    // each branch object claimed one of them.
+    let ev = sys
+        .event(&format!("{bs_name}-base"), "Captured")
+        .await
+        .note
+        .unwrap_or_default();
+    assert!(ev.contains("when the workload asked to fork"), "{ev}");
+    assert_eq!(ahead(&sys, "claimed"), 4, "{}", sys.diagnostics());
 
     // 2. No branch commits: the original's call returns "no winner" and it goes on with
     //    its own memory (x=before) and files.
@@ -267,6 +277,136 @@ async fn a_branch_forks_again_within_max_depth_and_the_nested_winner_becomes_the
     sys.teardown_and_check_clean().await;
 }
 
+/// The node agent's count of self-fork work done ahead with `outcome` (0 before any).
+fn ahead(sys: &System, outcome: &str) -> u64 {
+    let text = sys.agent.metrics().unwrap();
+    let line = format!("ramify_node_agent_self_fork_ahead_total{{outcome=\"{outcome}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// The sandbox id `name` runs as now.
+async fn sandbox_id(sys: &System, name: &str) -> String {
+    let sb = sys.sandboxes().get(name).await.unwrap();
+    sb.status.unwrap().sandbox_id.unwrap()
+}
+
+/// A self-fork captured on the spot with its branches restoring ahead, before anything
+/// of it is in the API, at the worst moments: the node agent killed right there (the
+/// restarted agent removes the capture and the branches, tells the workload nothing was
+/// forked, and its second request forks and commits), and the forking sandbox deleted
+/// while its branches restore ahead (the node is clean within a minute).
+#[tokio::test]
+async fn work_done_ahead_of_a_self_forks_objects_is_never_left_behind() {
+    use ramify_engine::fault::SELF_FORK_AHEAD;
+    let _one = SERIAL.lock().await;
+    let fault_dir =
+        std::env::temp_dir().join(format!("ramify-selffork-fault-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&fault_dir).unwrap();
+    let dir_s = fault_dir.to_string_lossy().into_owned();
+    let mut sys = System::start_with(
+        "selffork-ahead",
+        &[],
+        &[
+            ("RAMIFY_FAULT_HOLD", SELF_FORK_AHEAD),
+            ("RAMIFY_FAULT_DIR", dir_s.as_str()),
+        ],
+    )
+    .await;
+
+    // 1. Killed after the capture, its restores ahead under way.
+    let script = workload(
+        "r=$(fork '{\"count\": 2}'); echo \"$r\" > /work/first; \
+         r=$(fork '{\"count\": 2}'); \
+         case \"$r\" in *'\"branch\"'*) x=branch; echo commit > /run/ramify/verdict ;; \
+         *) echo \"original: $r\" > /work/result ;; esac",
+    );
+    sys.apply(&with_self_fork(&sys, "ws", &script, "{maxBranches: 2}"));
+    running(&sys, "ws").await;
+    sys.hold_reached(
+        &fault_dir.join(SELF_FORK_AHEAD),
+        "the self-fork captured ahead",
+    )
+    .await;
+    let ws_id = sandbox_id(&sys, "ws").await;
+    sys.agent.kill().unwrap();
+    sys.agent.set_env("RAMIFY_FAULT_HOLD", None);
+    sys.agent.start().unwrap();
+    // Nothing of the first request is left: no capture, no branch restored ahead.
+    sys.wait_node_clean(&sys.state_dir, Some(&ws_id), "after the restart")
+        .await;
+    let first = read_until(&sys, "ws", "/work/first", 60, |v| !v.is_empty()).await;
+    assert!(
+        first.contains("\"error\"") && first.contains("restarted") && first.contains("ask again"),
+        "{first}"
+    );
+    sys.wait_committed(&self_fork_name("ws", 1), 240).await;
+    assert_eq!(
+        read_until(&sys, "ws", "/work/alive", 60, |v| v == "branch").await,
+        "branch"
+    );
+
+    // Settled, then the committed set goes (its snapshot with it): what is left is
+    // the workspace.
+    sys.wait_sandbox("ws", "selfFork settled", 30, |s| {
+        s.status
+            .as_ref()
+            .and_then(|st| st.self_fork.as_ref())
+            .is_some_and(|f| f.requests == 1 && f.pending.is_none())
+    })
+    .await;
+    sys.branchsets()
+        .delete(&self_fork_name("ws", 1), &Default::default())
+        .await
+        .unwrap();
+    let ws_id = sandbox_id(&sys, "ws").await;
+    sys.wait_node_clean(&sys.state_dir, Some(&ws_id), "after the set went")
+        .await;
+
+    // 2. The forking sandbox deleted while its branches restore ahead.
+    let script = workload("r=$(fork '{\"count\": 2}'); x=forked; sleep 100000");
+    sys.apply(&with_self_fork(&sys, "gone", &script, "{maxBranches: 2}"));
+    running(&sys, "gone").await;
+    let captured = ahead(&sys, "captured");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ahead(&sys, "captured") == captured {
+        assert!(Instant::now() < deadline, "{}", sys.diagnostics());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sys.sandboxes()
+        .delete("gone", &Default::default())
+        .await
+        .unwrap();
+    sys.wait_branches_gone(&self_fork_name("gone", 1), 60).await;
+    sys.wait_node_clean(
+        &sys.state_dir,
+        Some(&ws_id),
+        "after the forking sandbox went",
+    )
+    .await;
+
+    // 3. No room for four more branches (1 GiB for sandboxes; 512 MiB run): nothing is
+    //    done ahead, so the node's capacity is never exceeded, and the fork goes the
+    //    usual way, its branches admitted as room frees.
+    sys.restart_agent_with("--allocatable-memory", "1Gi");
+    let script = workload(
+        "r=$(fork '{\"count\": 4}'); \
+         case \"$r\" in *'\"branch\"'*) x=branch; echo commit > /run/ramify/verdict ;; esac",
+    );
+    sys.apply(&with_self_fork(&sys, "tight", &script, "{maxBranches: 4}"));
+    running(&sys, "tight").await;
+    sys.wait_committed(&self_fork_name("tight", 1), 240).await;
+    assert_eq!(
+        (ahead(&sys, "skipped"), ahead(&sys, "captured")),
+        (1, 0),
+        "{}",
+        sys.diagnostics()
+    );
+    std::fs::remove_dir_all(&fault_dir).ok();
+    sys.teardown_and_check_clean().await;
+}
+
 /// The realtime clock in seconds with microseconds, inside a busybox sandbox (its
 /// `date` has no `%N`; `ts` reads gettimeofday).
 const NOW: &str = "now() { echo | ts '%.s' | cut -d' ' -f1; }";
@@ -300,81 +440,103 @@ async fn last_stamp(sys: &System, set: &str, path: &str) -> f64 {
 
 /// A benchmark, not a test (`--ignored` runs it and prints the figures): a self-fork
 /// of 4 from inside (cold: the state is new) until each branch's call has returned,
-/// against the same fork of the same workload through a BranchSet applied from outside
-/// until each branch's command ran. Both read the time inside the sandboxes.
+/// local first (captured when read, branches restored ahead: the default) and the usual
+/// way (the agent restarted with `--self-fork-ahead false`: the set's Snapshot captures,
+/// each branch object restores), against the same fork of the same workload through a
+/// BranchSet applied from outside until each branch's command ran. All read the time
+/// inside the sandboxes.
 #[tokio::test]
 #[ignore = "a benchmark: run with --ignored to print the figures"]
 async fn self_fork_bench() {
     let _one = SERIAL.lock().await;
-    let sys = System::start("selffork-bench").await;
+    let mut sys = System::start("selffork-bench").await;
     let runs = ramify_e2e::bench_runs(5);
-    let (mut inside, mut outside) = (Vec::new(), Vec::new());
+    let (mut ahead, mut usual, mut outside) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..runs {
-        // From inside: t0 just before the request, t1 right after the call returned.
-        let name = format!("in{run}");
-        let script = workload(&format!(
-            "{NOW}; usleep 300000; t0=$(now); r=$(fork '{{\"count\": 4}}'); t1=$(now); \
-             echo $t0 > /work/t0; echo $t1 > /work/t1"
-        ));
-        sys.apply(&with_self_fork(&sys, &name, &script, "{maxBranches: 4}"));
-        running(&sys, &name).await;
-        let bs = self_fork_name(&name, 1);
-        let t0 = stamp(
-            &sys,
-            &ramify_crds::branch_sandbox_name(&bs, "b0"),
-            "/work/t0",
-        )
-        .await;
-        let last = last_stamp(&sys, &bs, "/work/t1").await;
-        inside.push((last - t0) * 1000.0);
-        // Undecided until read (a decided set removes its branches); the set goes with
-        // its Sandbox.
-        let _ = sys.sandboxes().delete(&name, &Default::default()).await;
-        sys.wait_branches_gone(&bs, 120).await;
-
-        // From outside: the same workload, forked by an applied BranchSet whose branches
-        // record when their command ran; t0 is the host's clock at the apply.
-        let name = format!("out{run}");
-        sys.apply(&sys.sandbox_with(
-            &name,
-            "mkdir -p /work; while true; do sleep 1; done",
-            "{cpu: 200m, memory: 256Mi}",
-        ));
-        running(&sys, &name).await;
-        let set = format!("{name}-set");
-        let branches: String = (0..4)
-            .map(|i| format!("    - {{name: b{i}, run: [\"/bin/sh\", \"-c\", \"{NOW}; now > /work/t1; sleep 100000\"]}}\n"))
-            .collect();
-        let t0 = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs_f64();
-        sys.apply(&format!(
-            "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {{name: {set}}}\nspec:\n  source: {{sandbox: {name}}}\n  policy: Manual\n  branches:\n{branches}"
-        ));
-        let last = last_stamp(&sys, &set, "/work/t1").await;
-        outside.push((last - t0) * 1000.0);
-        let _ = sys.branchsets().delete(&set, &Default::default()).await;
-        sys.wait_branches_gone(&set, 120).await;
-        let _ = sys.sandboxes().delete(&name, &Default::default()).await;
+        ahead.push(self_fork_once(&sys, &format!("ahead{run}")).await);
+    }
+    sys.restart_agent_with("--self-fork-ahead", "false");
+    for run in 0..runs {
+        usual.push(self_fork_once(&sys, &format!("usual{run}")).await);
+        outside.push(outside_fork_once(&sys, &format!("out{run}")).await);
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!(
-        "self-fork of 4 from inside, request to every branch's return: median {:.0} ms, min {:.0} ms ({runs} runs: {:?})",
-        median(&mut inside),
-        inside[0],
-        inside.iter().map(|v| v.round()).collect::<Vec<_>>()
+    let show = |what: &str, v: &mut Vec<f64>| {
+        let runs: Vec<f64> = v.iter().map(|x| x.round()).collect();
+        println!(
+            "{what}: median {:.0} ms, min {:.0} ms ({} runs: {runs:?})",
+            median(v),
+            v[0],
+            v.len()
+        );
+    };
+    show(
+        "self-fork of 4 from inside, local first (captured when read, branches restored ahead), request to every branch's return",
+        &mut ahead,
     );
-    println!(
-        "the same fork through a BranchSet applied from outside, apply to every branch's command: median {:.0} ms, min {:.0} ms ({runs} runs: {:?})",
-        median(&mut outside),
-        outside[0],
-        outside.iter().map(|v| v.round()).collect::<Vec<_>>()
+    show(
+        "the same self-fork the usual way (--self-fork-ahead false: the Snapshot object captures, each branch object restores)",
+        &mut usual,
+    );
+    show(
+        "the same fork through a BranchSet applied from outside, apply to every branch's command",
+        &mut outside,
     );
     sys.teardown_and_check_clean().await;
+}
+
+/// One self-fork of 4 of a fresh workload `name`: milliseconds from just before the
+/// request to the last branch's return, both read inside.
+async fn self_fork_once(sys: &System, name: &str) -> f64 {
+    let script = workload(&format!(
+        "{NOW}; usleep 300000; t0=$(now); r=$(fork '{{\"count\": 4}}'); t1=$(now); \
+         echo $t0 > /work/t0; echo $t1 > /work/t1"
+    ));
+    sys.apply(&with_self_fork(sys, name, &script, "{maxBranches: 4}"));
+    running(sys, name).await;
+    let bs = self_fork_name(name, 1);
+    let t0 = stamp(
+        sys,
+        &ramify_crds::branch_sandbox_name(&bs, "b0"),
+        "/work/t0",
+    )
+    .await;
+    let last = last_stamp(sys, &bs, "/work/t1").await;
+    // Undecided until read (a decided set removes its branches); the set goes with
+    // its Sandbox.
+    let _ = sys.sandboxes().delete(name, &Default::default()).await;
+    sys.wait_branches_gone(&bs, 120).await;
+    (last - t0) * 1000.0
+}
+
+/// The same workload forked 4 ways by an applied BranchSet whose branches record when
+/// their command ran; milliseconds from the apply (the host's clock).
+async fn outside_fork_once(sys: &System, name: &str) -> f64 {
+    sys.apply(&sys.sandbox_with(
+        name,
+        "mkdir -p /work; while true; do sleep 1; done",
+        "{cpu: 200m, memory: 256Mi}",
+    ));
+    running(sys, name).await;
+    let set = format!("{name}-set");
+    let branches: String = (0..4)
+        .map(|i| format!("    - {{name: b{i}, run: [\"/bin/sh\", \"-c\", \"{NOW}; now > /work/t1; sleep 100000\"]}}\n"))
+        .collect();
+    let t0 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    sys.apply(&format!(
+        "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {{name: {set}}}\nspec:\n  source: {{sandbox: {name}}}\n  policy: Manual\n  branches:\n{branches}"
+    ));
+    let last = last_stamp(sys, &set, "/work/t1").await;
+    let _ = sys.branchsets().delete(&set, &Default::default()).await;
+    sys.wait_branches_gone(&set, 120).await;
+    let _ = sys.sandboxes().delete(name, &Default::default()).await;
+    (last - t0) * 1000.0
 }
 
 /// The workspace test image's root filesystem (Debian minbase + python3 + sqlite3, from

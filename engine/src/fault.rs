@@ -36,6 +36,10 @@ pub const DOWNLOAD_PARTIAL: &str = "download-partial";
 /// not begun.
 pub const SHIPPED_RESTORED: &str = "shipped-restored";
 
+/// A self-fork request is captured on the spot and its branches are restoring ahead;
+/// nothing of it is recorded in the API yet.
+pub const SELF_FORK_AHEAD: &str = "self-fork-ahead";
+
 /// A winner's node agent was asked to ship it to its parent's node; nothing of it is
 /// checkpointed yet.
 pub const SHIP_ASKED: &str = "ship-asked";

@@ -276,6 +276,63 @@ async fn warm_pool_hands_out_frozen_branches_and_refills() {
     h.finish().await;
 }
 
+/// A gate with room for every restore (the agent's is its fair admission gate).
+struct Unbounded;
+
+impl ramify_engine::engine::RestoreSlots for Unbounded {
+    fn acquire<'a>(
+        &'a self,
+        _key: &'a str,
+        _group: &'a str,
+    ) -> futures::future::BoxFuture<'a, Box<dyn Send>> {
+        Box::pin(async { Box::new(()) as Box<dyn Send> })
+    }
+    fn leave(&self, _key: &str) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_restored_once_hands_out_its_branches_then_refuses_at_once() {
+    let h = harness("pool-once").await;
+    let mut parent = h.start("parent", COUNTER, vec![]).await;
+    h.counter_past(&parent, 0).await;
+    let snap = h.engine.snapshot(&mut parent, None).await.unwrap();
+    let pool = h.engine.warm_pool_once(
+        &snap.meta.id,
+        2,
+        std::sync::Arc::new(Unbounded),
+        "once".into(),
+    );
+    // Claims wait for branches still restoring.
+    let a = pool
+        .claim_as("a", 0, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let b = pool
+        .claim_as("b", 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let ida: Identity = serde_json::from_str(&h.sh(&a, "cat /run/ramify/identity").await).unwrap();
+    let idb: Identity = serde_json::from_str(&h.sh(&b, "cat /run/ramify/identity").await).unwrap();
+    assert_eq!((ida.name.as_str(), idb.name.as_str()), ("a", "b"));
+    // Nothing more comes: no refill, and a claim says so at once.
+    let t = std::time::Instant::now();
+    let err = pool
+        .claim_as("c", 2, Duration::from_secs(30))
+        .await
+        .unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(err.to_string().contains("handed out"), "{err}");
+    assert!(pool.exhausted());
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(pool.ready(), 0, "a pool restored once never refills");
+    pool.close().await.unwrap();
+    h.destroy_clean(a).await;
+    h.destroy_clean(b).await;
+    h.destroy_clean(parent).await;
+    h.assert_no_leftovers_except(&[]).await;
+    h.finish().await;
+}
+
 /// Every address of this host except loopback (the sandbox's own loopback is its own),
 /// IPv6 link-local ones scoped to the sandbox's link.
 fn host_addresses() -> Vec<String> {

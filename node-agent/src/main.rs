@@ -270,6 +270,12 @@ enum Command {
         /// every watcher of Sandboxes; the gauges are fresh every interval regardless).
         #[arg(long, env = "RAMIFY_USAGE_WRITE_EVERY_SECONDS", default_value_t = 60)]
         usage_write_every_seconds: u64,
+        /// Self-forks local first: a request is checkpointed the moment it is read and
+        /// its branches restored before their objects exist (standalone mode). `false`:
+        /// the set's Snapshot captures it and each branch object restores its branch
+        /// (for comparison: the self-fork bench runs both).
+        #[arg(long, env = "RAMIFY_SELF_FORK_AHEAD", default_value_t = true, action = clap::ArgAction::Set)]
+        self_fork_ahead: bool,
         #[command(flatten)]
         capacity_args: Box<CapacityArgs>,
         #[command(flatten)]
@@ -495,6 +501,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             restore_pages,
             usage_interval_seconds,
             usage_write_every_seconds,
+            self_fork_ahead,
             capacity_args,
             rootfs,
             registries,
@@ -634,6 +641,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     remote: object_store.remote()?,
                     usage_interval: std::time::Duration::from_secs(usage_interval_seconds),
                     usage_write_every: std::time::Duration::from_secs(usage_write_every_seconds),
+                    self_fork_ahead,
                     activity,
                 },
                 registry,

@@ -18,7 +18,14 @@ use crate::error::{Error, Result};
 impl Engine {
     /// Start a warm pool of `size` frozen branches of `snapshot`.
     pub fn warm_pool(&self, snapshot: &str, size: usize) -> WarmPool {
-        WarmPool::start(self.clone(), snapshot.to_string(), size, None, None)
+        WarmPool::start(
+            self.clone(),
+            snapshot.to_string(),
+            size,
+            None,
+            None,
+            Refill::Always,
+        )
     }
 
     /// Cluster mode: a warm pool keeping one frozen branch of `snapshot` in each Pod
@@ -64,8 +71,38 @@ impl Engine {
             size,
             Some((gate, group)),
             rootfs,
+            Refill::Always,
         )
     }
+
+    /// `size` frozen branches of `snapshot` restored once, all at once, never refilled:
+    /// the branches of a fork the node knows is coming, restored before their objects
+    /// exist (a self-fork's). Each restore waits for a place in `gate` as `group`. Once
+    /// they are all restored and handed out, a claim on it fails at once.
+    pub fn warm_pool_once(
+        &self,
+        snapshot: &str,
+        size: usize,
+        gate: Arc<dyn RestoreSlots>,
+        group: String,
+    ) -> WarmPool {
+        WarmPool::start(
+            self.clone(),
+            snapshot.to_string(),
+            size,
+            Some((gate, group)),
+            None,
+            Refill::Never,
+        )
+    }
+}
+
+/// Whether a warm pool restores again what its claims took.
+#[derive(Clone, Copy)]
+enum Refill {
+    Always,
+    /// Up to its size once: then it only hands out what it holds.
+    Never,
 }
 
 /// The restore gate a warm pool's refills queue in, and their group there.
@@ -124,14 +161,25 @@ struct PoolShared {
     refill: Notify,
     /// Wakes claimers waiting for a ready branch.
     ready: Notify,
+    /// Wakes every restore of a pool filled once that waits for a slot: the pool closed.
+    closing: Notify,
 }
 
 impl PoolShared {
+    /// Records a restore that failed (claimers read it).
+    fn failed(&self, e: &Error) {
+        if let Ok(mut s) = self.state.lock() {
+            s.last_error = Some(e.to_string());
+            s.failures += 1;
+        }
+    }
+
     fn new() -> Arc<Self> {
         Arc::new(PoolShared {
             state: Mutex::new(PoolState::default()),
             refill: Notify::new(),
             ready: Notify::new(),
+            closing: Notify::new(),
         })
     }
 }
@@ -152,6 +200,9 @@ struct PoolState {
     pod_failures: HashMap<String, u32>,
     /// When the last claim was served (refills wait for claims to pause).
     last_claim: Option<Instant>,
+    /// A pool that never refills has restored all it will: claims on an empty one
+    /// fail at once instead of waiting.
+    exhausted: bool,
 }
 
 /// The Pod UID a branch lives in (cluster mode).
@@ -317,15 +368,25 @@ impl WarmPool {
         size: usize,
         gate: Option<RefillGate>,
         rootfs: Option<crate::rootfs::RootfsSource>,
+        refill: Refill,
     ) -> Self {
         let shared = PoolShared::new();
-        let task = tokio::spawn(Self::refill_loop(
-            engine.clone(),
-            snapshot.clone(),
-            size,
-            shared.clone(),
-            (gate, rootfs),
-        ));
+        let task = match refill {
+            Refill::Always => tokio::spawn(Self::refill_loop(
+                engine.clone(),
+                snapshot.clone(),
+                size,
+                shared.clone(),
+                (gate, rootfs),
+            )),
+            Refill::Never => tokio::spawn(Self::fill_once(
+                engine.clone(),
+                snapshot.clone(),
+                size,
+                shared.clone(),
+                gate,
+            )),
+        };
         WarmPool {
             engine,
             snapshot,
@@ -333,6 +394,78 @@ impl WarmPool {
             shared,
             task: Mutex::new(Some(task)),
         }
+    }
+
+    /// Restores `size` branches at once, each as soon as the gate gives it a slot (a
+    /// fork of N is restored as N branches objects would be, not one after the other),
+    /// then marks the pool exhausted: it never restores again.
+    async fn fill_once(
+        engine: Engine,
+        snapshot: String,
+        size: usize,
+        shared: Arc<PoolShared>,
+        gate: Option<RefillGate>,
+    ) {
+        let one = |index: u32| {
+            let (engine, snapshot, shared, gate) = (
+                engine.clone(),
+                snapshot.clone(),
+                shared.clone(),
+                gate.clone(),
+            );
+            async move {
+                let closing = shared.closing.notified();
+                if shared.state.lock().map_or(true, |s| s.closed) {
+                    return;
+                }
+                let _slot = match &gate {
+                    Some((g, group)) => {
+                        let key = format!("{group}#{index}");
+                        tokio::select! {
+                            p = g.acquire(&key, group) => Some(p),
+                            () = closing => {
+                                g.leave(&key);
+                                return;
+                            }
+                        }
+                    }
+                    None => None,
+                };
+                let made = restore_frozen(&engine, &snapshot, index, None, None).await;
+                drop(_slot);
+                match made {
+                    Ok(sb) => {
+                        let leftover = match shared.state.lock() {
+                            Ok(mut s) if !s.closed => {
+                                s.ready.push_back(sb);
+                                s.restored += 1;
+                                None
+                            }
+                            _ => Some(sb),
+                        };
+                        if let Some(sb) = leftover {
+                            engine
+                                .destroy_or_report(
+                                    sb,
+                                    "its warm pool was closed while it was restored",
+                                )
+                                .await;
+                        }
+                    }
+                    Err(e) => {
+                        warn!(error = %e, snapshot = %snapshot, "a restore ahead failed");
+                        shared.failed(&e);
+                    }
+                }
+                shared.ready.notify_waiters();
+            }
+        };
+        let count = u32::try_from(size).unwrap_or(u32::MAX);
+        futures::future::join_all((0..count).map(one)).await;
+        if let Ok(mut s) = shared.state.lock() {
+            s.exhausted = true;
+        }
+        shared.ready.notify_waiters();
     }
 
     async fn refill_loop(
@@ -406,10 +539,7 @@ impl WarmPool {
                 }
                 Err(e) => {
                     warn!(error = %e, snapshot = %snapshot, "warm pool refill failed");
-                    if let Ok(mut s) = shared.state.lock() {
-                        s.last_error = Some(e.to_string());
-                        s.failures += 1;
-                    }
+                    shared.failed(&e);
                     shared.ready.notify_waiters();
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
@@ -424,6 +554,15 @@ impl WarmPool {
     /// How many frozen branches the pool keeps.
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// A pool that never refills ([`Engine::warm_pool_once`]) with nothing left to
+    /// hand out: every branch was restored (or failed to) and claimed.
+    pub fn exhausted(&self) -> bool {
+        self.shared
+            .state
+            .lock()
+            .is_ok_and(|s| s.exhausted && s.ready.is_empty())
     }
 
     /// Number of frozen branches ready to hand out.
@@ -555,6 +694,17 @@ impl WarmPool {
                 }
                 let at = s.ready.iter().position(&pick);
                 let got = at.and_then(|i| s.ready.remove(i));
+                if got.is_none() && s.exhausted {
+                    return Err(Error::Snapshot {
+                        id: self.snapshot.clone(),
+                        reason: match &s.last_error {
+                            Some(e) => format!(
+                                "every branch restored ahead was handed out or failed to restore ({e})"
+                            ),
+                            None => "every branch restored ahead was handed out".into(),
+                        },
+                    });
+                }
                 if got.is_none() && !pod_uid.is_empty() && s.restoring.as_deref() != Some(pod_uid) {
                     return Err(Error::Snapshot {
                         id: self.snapshot.clone(),
@@ -631,6 +781,7 @@ impl WarmPool {
             Err(_) => Vec::new(),
         };
         self.shared.refill.notify_one();
+        self.shared.closing.notify_waiters();
         // Let an in-flight restore finish so it is destroyed, not leaked.
         let task = self.task.lock().ok().and_then(|mut t| t.take());
         if let Some(task) = task
@@ -677,6 +828,7 @@ impl Drop for WarmPool {
             Err(_) => Vec::new(),
         };
         self.shared.refill.notify_one();
+        self.shared.closing.notify_waiters();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let engine = self.engine.clone();
             rt.spawn(async move {

@@ -204,6 +204,8 @@ impl Agent {
         let (group, rank, asks) = (group_of(obj), rank_of(obj), obj.spec.requests());
         // Cluster mode: kube-scheduler admitted its Pod, whose requests are its own.
         let scheduled = self.cfg.mode == ramify_crds::pod::Mode::Cluster;
+        // A self-fork's branch restored ahead hands its room over first (fork_ahead.rs).
+        let ahead = self.yield_ahead_room(obj);
         if !scheduled && !a.capacity.enter(uid, &group, rank.clone(), asks) {
             self.publish_capacity();
             let limit = a.capacity.limit();
@@ -223,7 +225,7 @@ impl Agent {
             return Ok(Some(Action::requeue(WAIT_RECHECK)));
         }
         self.publish_capacity();
-        if self.warm_branch_ready(obj).await {
+        if ahead || self.warm_branch_ready(obj).await {
             return Ok(None);
         }
         if !a.restores.enter(uid, &group, rank, ONE_RESTORE) {

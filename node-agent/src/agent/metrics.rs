@@ -58,6 +58,16 @@ pub struct RecordLabels {
     pub record: String,
 }
 
+/// What became of the work a node did ahead of a self-fork's objects: `captured`
+/// (requests checkpointed on the spot), `claimed` (branches restored ahead that a
+/// branch object took), `discarded` (branches restored ahead never claimed: the set
+/// ended first), `capture_discarded` (captures no Snapshot adopted), `skipped`
+/// (requests without room or store space: they forked the usual way).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AheadLabels {
+    pub outcome: String,
+}
+
 /// One sandbox of this node (its gauges go with it).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SandboxLabels {
@@ -108,9 +118,19 @@ pub struct AgentMetrics {
     pub sandbox_memory: Family<SandboxMemoryLabels, Gauge>,
     /// Records skipped at resume because they do not parse (each also an Event).
     pub corrupt_records: Family<RecordLabels, Counter>,
+    pub fork_ahead: Family<AheadLabels, Counter>,
 }
 
 impl AgentMetrics {
+    /// Counts `n` of self-fork work done ahead with `outcome`.
+    pub fn ahead(&self, outcome: &str, n: u64) {
+        self.fork_ahead
+            .get_or_create(&AheadLabels {
+                outcome: outcome.into(),
+            })
+            .inc_by(n);
+    }
+
     /// Records one finished transfer of an image.
     pub fn transferred(&self, op: &str, of: &str, seconds: f64, bytes: u64) {
         let l = TransferLabels {
@@ -157,6 +177,7 @@ impl AgentMetrics {
             sandbox_cpu: Family::default(),
             sandbox_memory: Family::default(),
             corrupt_records: Family::default(),
+            fork_ahead: Family::default(),
         };
         r.register("reconcile_runs", "Reconciliations run", m.runs.clone());
         r.register(
@@ -213,6 +234,11 @@ impl AgentMetrics {
             "object_store_transfer_bytes",
             "Bytes of images uploaded and downloaded (uncompressed)",
             m.transfer_bytes.clone(),
+        );
+        r.register(
+            "self_fork_ahead",
+            "Self-fork work done before its objects existed, by outcome (captured, claimed, discarded, capture_discarded, skipped)",
+            m.fork_ahead.clone(),
         );
         r.register(
             "warm_pool_hits",

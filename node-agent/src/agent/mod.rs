@@ -21,6 +21,7 @@ mod evicted;
 pub mod exec_stream;
 mod exit;
 mod fetch;
+mod fork_ahead;
 mod heartbeat;
 mod held;
 pub mod idle;
@@ -106,6 +107,8 @@ pub struct AgentConfig {
     pub activity: Arc<idle::Activity>,
     /// The least time between two `status.usage` writes of one sandbox.
     pub usage_write_every: Duration,
+    /// Self-forks are captured when read and their branches restored ahead.
+    pub self_fork_ahead: bool,
 }
 
 type Handle = Arc<AsyncMutex<Option<LocalSandbox>>>;
@@ -122,6 +125,8 @@ pub struct Agent {
     held: held::HeldSandboxes,
     /// Warm pools by Snapshot object uid.
     pools: pools::Pools<WarmPool>,
+    /// Self-forks captured, and their branches restored, before their objects exist.
+    ahead: fork_ahead::AheadForks,
     /// Branch runs in flight, and their "deleted" signals.
     runners: branch_run::Runners,
     /// Unique per agent process: tells runs this process started from earlier ones.
@@ -234,6 +239,7 @@ impl Agent {
             recorder,
             held,
             pools: pools::Pools::default(),
+            ahead: fork_ahead::AheadForks::default(),
             runners: branch_run::Runners::default(),
             epoch: uuid::Uuid::new_v4().to_string(),
             cache: std::sync::OnceLock::new(),

@@ -57,6 +57,12 @@ pub struct SandboxRecord {
     /// `idle`). Written before the suspend, cleared by the exec that wakes it.
     #[serde(default)]
     pub idle_suspended: bool,
+    /// A self-fork request taken out of the sandbox's control directory and not yet
+    /// recorded in its status (the request's number), cleared once it is: an agent
+    /// restarted in between answers the workload (nothing was forked, ask again)
+    /// rather than leave it waiting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub self_fork_taken: Option<i64>,
 }
 
 /// A Snapshot object backed by a stored image.
@@ -358,6 +364,7 @@ mod tests {
             handed_over: false,
             shipped: None,
             idle_suspended: false,
+            self_fork_taken: None,
         }
     }
 

@@ -94,6 +94,7 @@ impl Agent {
                         // It holds its request; a decided branch is frozen again.
                         self.readopt(obj, &uid);
                         self.decided.remember(&uid, obj, &sb);
+                        self.answer_lost_request(obj, &uid, &sb).await;
                     }
                     let decided = rec.outcome.as_ref().map(super::decided::Decided::depth_for);
                     self.insert_handle(&uid, sb);

@@ -67,6 +67,7 @@ impl Agent {
                 }
             }
             wake.watch_only(&dirs);
+            self.tidy_ahead(&seen).await;
             missing.retain(|uid, _| seen.contains(uid));
             unparsed.retain(|uid, _| seen.contains(uid));
         }
@@ -120,29 +121,38 @@ impl Agent {
             }
             unparsed.remove(uid);
         }
-        // Taken out before anything is recorded: a crash from here on loses the request
-        // (the workload is told nothing and may ask again), never forks it twice.
+        // Taken out before anything is recorded: a crash from here on loses the request,
+        // never forks it twice; the mark tells the restarted agent to say so.
+        self.mark_taken(uid, Some(sf.requests + 1))?;
         ramify_engine::control::remove_entry(&dir.join(proto::REQUEST_FILE))
             .map_err(|e| Error::io("remove the fork request", &dir, e))?;
         let accepted = bytes.and_then(|b| self.accept(obj, sf.requests, &b));
         let req = match accepted {
             Ok(req) => req,
-            Err(why) => return self.refuse(obj, &dir, &why).await,
+            Err(why) => {
+                self.refuse(obj, &dir, &why).await?;
+                return self.mark_taken(uid, None);
+            }
         };
-        let api: Api<SandboxObj> =
-            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        // Captured and its branches restoring before anything is recorded: the
+        // records follow (fork_ahead.rs).
+        self.fork_ahead(obj, &h, &req).await;
+        let ns = obj.namespace().unwrap_or_default();
+        let api: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
         let body = json!({"selfFork": {"requests": req.number, "pending": req}});
         if let Err(e) =
             writes::status(&api, &obj.name_any(), MANAGER_AGENT_SELF_FORK, None, &body).await
         {
-            return self
-                .refuse(
-                    obj,
-                    &dir,
-                    &format!("could not record the request ({e}); ask again"),
-                )
-                .await;
+            self.settle_ahead(&ns, &req).await;
+            self.refuse(
+                obj,
+                &dir,
+                &format!("could not record the request ({e}); ask again"),
+            )
+            .await?;
+            return self.mark_taken(uid, None);
         }
+        self.mark_taken(uid, None)?;
         info!(sandbox = %obj.name_any(), branchset = %req.branch_set, branches = ?req.branches, depth = req.depth, "self-fork accepted");
         self.event(
             obj,
@@ -157,6 +167,40 @@ impl Agent {
         )
         .await;
         Ok(())
+    }
+
+    /// Records (`Some(number)`) or clears the request taken out and not yet recorded.
+    fn mark_taken(&self, uid: &str, number: Option<i64>) -> Result<()> {
+        self.registry
+            .update_sandbox(uid, |r| r.self_fork_taken = number)?;
+        Ok(())
+    }
+
+    /// At start-up, for a sandbox re-adopted live: a request the last agent took out of
+    /// its control directory but never recorded (it stopped in between) is answered,
+    /// so the workload does not wait for ever. Nothing of it was forked.
+    pub(super) async fn answer_lost_request(&self, obj: &SandboxObj, uid: &str, sb: &LocalSandbox) {
+        let Ok(Some(rec)) = self.registry.sandbox(uid) else {
+            return;
+        };
+        let Some(number) = rec.self_fork_taken else {
+            return;
+        };
+        let recorded = obj
+            .status
+            .as_ref()
+            .and_then(|s| s.self_fork.as_ref())
+            .is_some_and(|f| f.requests >= number);
+        if !recorded {
+            let why = "the node agent restarted while it took this fork request: nothing was forked; ask again";
+            if let Err(e) = self.refuse(obj, &sb.control_dir(), why).await {
+                warn!(sandbox = %obj.name_any(), error = %e, "answering a fork request lost to a restart failed");
+                return;
+            }
+        }
+        if let Err(e) = self.mark_taken(uid, None) {
+            warn!(sandbox = %obj.name_any(), error = %e, "clearing a taken fork request failed");
+        }
     }
 
     /// Checks a request against the Sandbox's `spec.selfFork`; the refusal says why.
@@ -287,6 +331,7 @@ impl Agent {
         if let Some(r) = &result {
             proto::write_result(dir, r).map_err(|e| Error::io("write the fork result", dir, e))?;
         }
+        self.settle_ahead(&ns, pending).await;
         let api: Api<SandboxObj> = Api::namespaced(self.client.clone(), &ns);
         writes::status(
             &api,

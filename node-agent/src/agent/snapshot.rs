@@ -84,6 +84,21 @@ impl Agent {
             // Not running here yet.
             return Ok(Action::requeue(Duration::from_millis(500)));
         };
+        // A self-fork's set: its source was captured when it asked (fork_ahead.rs).
+        if let Some(c) = self.adopt_ahead(snap, &source)? {
+            let meta = self.engine.store().meta(&c.image_id)?;
+            self.write_snapshot_ready(snap, &meta, Some(c.source_pause), c.generation)
+                .await?;
+            let note = captured_note(meta.size_bytes, c.capture, c.source_pause);
+            self.event(
+                snap,
+                false,
+                "Captured",
+                format!("{note}, when the workload asked to fork"),
+            )
+            .await;
+            return Ok(Action::requeue(Duration::from_millis(200)));
+        }
         // A full store refuses before capturing (evicting what nothing needs first).
         if let Some(reason) = self.make_store_room(1, 0).await? {
             return self.fail_snapshot(snap, REASON_STORE_FULL, reason).await;
@@ -160,18 +175,8 @@ impl Agent {
         })?;
         self.write_snapshot_ready(snap, &info.meta, Some(info.source_pause), generation)
             .await?;
-        self.event(
-            snap,
-            false,
-            "Captured",
-            format!(
-                "{} bytes in {} ms (source paused {} ms)",
-                info.meta.size_bytes,
-                info.checkpoint.as_millis(),
-                info.source_pause.as_millis()
-            ),
-        )
-        .await;
+        let note = captured_note(info.meta.size_bytes, info.checkpoint, info.source_pause);
+        self.event(snap, false, "Captured", note).await;
         Ok(Action::requeue(Duration::from_millis(200)))
     }
 
@@ -421,4 +426,13 @@ impl Agent {
         self.event(snap, true, reason, message).await;
         Ok(Action::await_change())
     }
+}
+
+/// What a `Captured` Event says of a capture.
+fn captured_note(bytes: u64, took: Duration, source_pause: Duration) -> String {
+    format!(
+        "{bytes} bytes in {} ms (source paused {} ms)",
+        took.as_millis(),
+        source_pause.as_millis()
+    )
 }

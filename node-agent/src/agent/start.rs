@@ -374,9 +374,14 @@ impl Agent {
                 }
             }
             None if track.is_empty() => {
-                self.pools
-                    .claim(&snap_uid, &name, index, Duration::from_secs(5))
-                    .await
+                match self.claim_ahead(obj, &rec.image_id, &name, index).await {
+                    Some(claimed) => Some(claimed),
+                    None => {
+                        self.pools
+                            .claim(&snap_uid, &name, index, Duration::from_secs(5))
+                            .await
+                    }
+                }
             }
             None => None,
         };
