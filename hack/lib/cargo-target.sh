@@ -50,8 +50,21 @@ if [[ -L "$_repo/target" ]]; then
     fi
   else
     rm -f "$_record"
+    # Cargo's fingerprints of the workspace's crates do not depend on the checkout, and
+    # it judges them by file times: a file of this checkout edited before another
+    # checkout built the same crate here would pass for built (seen: a binary without
+    # the edit). So when another checkout built here last, this one's files get the
+    # time of now, and what differs from that build is built again. (A bare `cargo`
+    # run from another checkout is not recorded: run it through these scripts, or
+    # touch what you changed.)
+    _last="$(readlink -f "$_repo/target")/.ramify-last-checkout"
+    if [[ "$(cat "$_last" 2>/dev/null)" != "$_repo" ]]; then
+      git -C "$_repo" ls-files -z --cached --others --exclude-standard \
+        | (cd "$_repo" && xargs -0 -r touch -h -c)
+    fi
   fi
-  unset _record _key
+  printf '%s\n' "$_repo" >"$(readlink -f "$_repo/target")/.ramify-last-checkout"
+  unset _record _key _last
 fi
 # ramify_record_built_tree: after every build of a clean tree succeeded (hack/test.sh:
 # debug binaries and tests, clippy, the images' profile: the profiles it vouches for).

@@ -33,6 +33,8 @@ use ramify_engine::self_fork as proto;
 
 /// How often the control directories are looked at.
 pub const POLL: Duration = Duration::from_millis(250);
+/// How long a request that does not parse must stay the same before it is refused.
+const UNPARSED_GRACE: Duration = Duration::from_secs(1);
 /// How long a pending request's BranchSet may be missing from the cache before the
 /// API server is asked whether it still exists (the operator creates it after the
 /// request is recorded).
@@ -42,7 +44,7 @@ impl Agent {
     /// Serves self-fork requests until the agent stops.
     pub(super) async fn sweep_self_forks(self: Arc<Self>) {
         let mut missing: HashMap<String, Instant> = HashMap::new();
-        let mut unparsed: HashMap<String, Vec<u8>> = HashMap::new();
+        let mut unparsed: HashMap<String, (Vec<u8>, Instant)> = HashMap::new();
         let mut wake = super::self_fork_wake::ForkWake::new();
         loop {
             wake.wait(POLL).await;
@@ -78,7 +80,7 @@ impl Agent {
         obj: &SandboxObj,
         uid: &str,
         missing: &mut HashMap<String, Instant>,
-        unparsed: &mut HashMap<String, Vec<u8>>,
+        unparsed: &mut HashMap<String, (Vec<u8>, Instant)>,
         watch: &mut HashSet<std::path::PathBuf>,
     ) -> Result<()> {
         let status = obj.status.clone().unwrap_or_default();
@@ -113,11 +115,22 @@ impl Agent {
             Err(r) => Err(r.to_string()),
         };
         // A request caught half-written (`echo ... > fork` truncates, then writes) is
-        // read again next time; only one that stays the same and unreadable is refused.
+        // read again; only one that stays the same and unreadable for UNPARSED_GRACE is
+        // refused. Two reads in a row are not enough: the sandbox's write may reach the
+        // node's file a while after its truncation (seen: a request refused as empty
+        // when two wake-ups came before the write landed).
         if let Ok(b) = &bytes {
-            if proto::parse_request(b).is_err() && unparsed.get(uid) != Some(b) {
-                unparsed.insert(uid.to_string(), b.clone());
-                return Ok(());
+            if proto::parse_request(b).is_err() {
+                let since = match unparsed.get(uid) {
+                    Some((seen, at)) if seen == b => *at,
+                    _ => {
+                        unparsed.insert(uid.to_string(), (b.clone(), Instant::now()));
+                        return Ok(());
+                    }
+                };
+                if since.elapsed() < UNPARSED_GRACE {
+                    return Ok(());
+                }
             }
             unparsed.remove(uid);
         }
@@ -355,6 +368,12 @@ impl Agent {
             return Ok(());
         }
         let dir = sb.control_dir();
+        // The request the source wrote may still have been open when it was captured
+        // (a capture right after the request is read: fork_ahead.rs), and the restore
+        // opens it again here, empty: read as this branch's own request, it would be
+        // refused, and that refusal would be the branch's answer.
+        ramify_engine::control::remove_entry(&dir.join(proto::REQUEST_FILE))
+            .map_err(|e| Error::io("remove the source's fork request", &dir, e))?;
         proto::write_result(
             &dir,
             &proto::branch_result(&branch.branch_set, &branch.name, branch.index),
