@@ -582,15 +582,25 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
 async fn a_drained_node_moves_its_workspace_and_fails_its_undecided_branches() {
     let _serial = SERIAL.lock().await;
     let (sys, _store, n1) = two_nodes_with_store("drain").await;
-    let (home, home_state) = (sys.node().to_string(), sys.state_dir.clone());
-    let n1_state = sys.nodes[0].state_dir.clone();
     sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
     let ws = sys
         .wait_sandbox("ws", "Running", 120, |s| {
             phase(s) == Some(SandboxPhase::Running)
         })
         .await;
-    assert_eq!(ws.status.unwrap().node_name.unwrap(), home);
+    // Either node may take it (whichever agent the operator saw live first): the one
+    // it runs on is drained, and it moves to the other.
+    let on = ws.status.unwrap().node_name.unwrap();
+    let ((home, home_state), (n1, n1_state)) = {
+        let first = (sys.node().to_string(), sys.state_dir.clone());
+        let second = (n1.clone(), sys.nodes[0].state_dir.clone());
+        if on == first.0 {
+            (first, second)
+        } else {
+            assert_eq!(on, n1);
+            (second, first)
+        }
+    };
     let before = wait_counter_at_least(&sys, "ws", 20).await;
     // A BranchSet without a verdict yet: its one branch sleeps on the same node.
     sys.apply(
