@@ -7,6 +7,7 @@
 
 pub mod access;
 pub mod diagnostics;
+pub mod fault_hold;
 pub mod lane;
 pub mod leftovers;
 pub mod manifests;

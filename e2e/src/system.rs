@@ -664,20 +664,6 @@ impl System {
             .await
     }
 
-    /// Waits (up to 120 s) until a component reached the fault hold point whose
-    /// `marker` file it creates there (`ramify_engine::fault`); `what` names it.
-    pub async fn hold_reached(&self, marker: &Path, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !marker.exists() {
-            assert!(
-                Instant::now() < deadline,
-                "{what}: never reached\n{}",
-                self.diagnostics()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
     /// Waits until BranchSet `name` has ended; it must have `Committed`. Its status.
     pub async fn wait_committed(&self, name: &str, secs: u64) -> ramify_crds::BranchSetStatus {
         let bs = self

@@ -309,16 +309,7 @@ async fn a_node_agent_killed_in_the_middle_of_a_suspend_resumes_it_where_it_was(
         .await;
         let before = counting_workspace(&sys).await;
         set_suspended(&sys, "ws", true).await;
-        let marker = fault_dir.join(point);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !marker.exists() {
-            assert!(
-                Instant::now() < deadline,
-                "{point}: never reached\n{}",
-                sys.diagnostics()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        sys.hold_reached(&fault_dir.join(point), point).await;
         // Killed there; the new agent holds nowhere.
         sys.agent.kill().unwrap();
         sys.agent.set_env("RAMIFY_FAULT_HOLD", None);
