@@ -62,7 +62,7 @@ chmod 1777 "$work/busybox/tmp"
   mkdir -p "$work/busybox/$(dirname "$applet")"
   ln -sf /bin/busybox "$work/busybox/$applet"
 done
-busybox_version="$("$busybox" | head -1 | sed -n 's/^BusyBox v\([0-9.]*\).*/\1/p')"
+busybox_version="$("$busybox" 2>&1 | sed -n '1s/^BusyBox v\([0-9.]*\).*/\1/p')"
 python3 "$repo/hack/images/oci-archive.py" "$work/busybox" "ramify.local/busybox:$busybox_version" \
   "$out/images/busybox.tar" --cmd '["/bin/sh"]' --id-file "$out/images/busybox.id" >"$out/images/busybox.digest"
 echo "ramify.local/pause:1" >"$out/images/pause.ref"
