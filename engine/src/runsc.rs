@@ -199,6 +199,8 @@ pub struct Runsc {
     restore_pages: RestorePages,
     /// Whether sandboxes' control servers are driven directly (learnt from the first).
     control: control::Support,
+    /// Whether its sandboxes take a hostname over the control socket.
+    hostname: control::Support,
 }
 
 impl Runsc {
@@ -242,6 +244,7 @@ impl Runsc {
             platform,
             restore_pages,
             control: control::Support::default(),
+            hostname: control::Support::default(),
         })
     }
 
@@ -249,6 +252,12 @@ impl Runsc {
     /// sockets ([`control`]); `None` until a sandbox was asked.
     pub fn control_support(&self) -> &control::Support {
         &self.control
+    }
+
+    /// Whether this runsc's sandboxes take a hostname over their control sockets
+    /// ([`control::set_hostname`]); `None` until a sandbox was asked.
+    pub fn hostname_support(&self) -> &control::Support {
+        &self.hostname
     }
 
     pub fn caps(&self) -> &RunscCaps {

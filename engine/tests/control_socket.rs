@@ -1,5 +1,6 @@
-//! Pause and resume through the sandbox's control socket, on the pinned runsc
-//! (`hack/runsc/build.sh`, with `0003-control-is-paused.patch`): the wire protocol
+//! Pause, resume and a restored branch's hostname through the sandbox's control socket,
+//! on the pinned runsc (`hack/runsc/build.sh`, with `0003-control-is-paused.patch` and
+//! `0004-control-set-hostname.patch`): the wire protocol
 //! the agent speaks is pinned here, against the runsc it ships with. A runsc whose
 //! control server changed (another method name, another reply shape, another socket
 //! place) fails these tests, not a user's warm claim.
@@ -220,6 +221,59 @@ async fn pause_and_resume_each_way_timed() {
         cli[3], ctl[3]
     );
     ticks_past(&sb, tick(&sb)).await;
+    h.destroy_clean(sb).await;
+    h.finish().await;
+}
+
+/// A hostname over the control socket (what a restored branch gets): the sandbox and
+/// every exec see it at once, a name sethostname(2) refuses is refused with the reason,
+/// and what each way costs, on one sandbox in one run (printed, not asserted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pinned_runsc_takes_a_hostname_through_its_control_socket() {
+    let h = pinned("ctlhost").await;
+    let sb = h.start("ctlhost", "sleep 100000", vec![]).await;
+    let support = h.engine.runsc().hostname_support().clone();
+    assert_eq!(support.known(), None);
+    assert!(
+        control::set_hostname(sb.ctx(), &support, "renamed-1")
+            .await
+            .unwrap(),
+        "the pinned runsc has no SetHostname"
+    );
+    assert_eq!(support.known(), Some(true));
+    assert_eq!(h.sh(&sb, "hostname").await.trim(), "renamed-1");
+    assert_eq!(
+        h.sh(&sb, "cat /proc/sys/kernel/hostname").await.trim(),
+        "renamed-1"
+    );
+    let e = control::set_hostname(sb.ctx(), &support, &"h".repeat(65))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("longer than 64"), "{e}");
+    assert_eq!(h.sh(&sb, "hostname").await.trim(), "renamed-1");
+
+    let (mut exec, mut socket) = (Vec::new(), Vec::new());
+    for i in 0..7 {
+        let t = Instant::now();
+        h.engine
+            .exec_hostname(&sb, &format!("exec-{i}"))
+            .await
+            .unwrap();
+        exec.push(t.elapsed());
+        let t = Instant::now();
+        h.engine
+            .set_hostname(&sb, &format!("socket-{i}"))
+            .await
+            .unwrap();
+        socket.push(t.elapsed());
+    }
+    assert_eq!(h.sh(&sb, "hostname").await.trim(), "socket-6");
+    exec.sort();
+    socket.sort();
+    eprintln!(
+        "a hostname, median of 7: runsc exec hostname {:?}, control socket {:?}",
+        exec[3], socket[3]
+    );
     h.destroy_clean(sb).await;
     h.finish().await;
 }

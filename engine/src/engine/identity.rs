@@ -3,9 +3,12 @@
 
 use std::sync::atomic::Ordering;
 
+use tracing::{instrument, warn};
+
 use super::{Engine, LocalSandbox};
 use crate::control::Identity;
 use crate::error::{Error, Result};
+use crate::runsc::control as socket;
 
 impl Engine {
     pub(super) fn next_identity(
@@ -28,10 +31,27 @@ impl Engine {
 
     /// Give a restored branch its own hostname. gVisor restores the UTS namespace from
     /// the checkpoint (the restore spec's `hostname` is ignored), so every branch would
-    /// otherwise carry the source's hostname. Setting it needs CAP_SYS_ADMIN, which the
-    /// workload does not have: one `runsc exec --cap CAP_SYS_ADMIN <id> hostname <h>`,
-    /// using the `hostname` program of the sandbox's rootfs.
-    pub(super) async fn set_hostname(&self, sb: &LocalSandbox, host: &str) -> Result<()> {
+    /// otherwise carry the source's hostname. Over the sandbox's control socket where
+    /// the runsc has `SetHostname` (the pinned, patched one): well under a millisecond,
+    /// against 85-180 ms for starting `runsc exec` and a program in the sandbox, while
+    /// the branch already runs with the source's hostname. Elsewhere, or if the socket
+    /// call fails, [`Engine::exec_hostname`].
+    #[instrument(skip(self, sb), fields(id = %sb.id))]
+    pub async fn set_hostname(&self, sb: &LocalSandbox, host: &str) -> Result<()> {
+        match socket::set_hostname(&sb.ctx, self.inner.runsc.hostname_support(), host).await {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => {
+                warn!(error = %e, "setting the hostname over the control socket failed; through `runsc exec`")
+            }
+        }
+        self.exec_hostname(sb, host).await
+    }
+
+    /// Sets the hostname by running the sandbox's own `hostname` program: setting it
+    /// needs CAP_SYS_ADMIN, which the workload does not have, so one
+    /// `runsc exec --cap CAP_SYS_ADMIN <id> hostname <h>`.
+    pub async fn exec_hostname(&self, sb: &LocalSandbox, host: &str) -> Result<()> {
         let mut argv = self.inner.runsc.global_args(&sb.ctx);
         argv.extend(["exec".into(), "--cap".into(), "CAP_SYS_ADMIN".into()]);
         let mut env = sb.workload.env.clone();

@@ -37,6 +37,7 @@ use crate::error::{Error, Result};
 pub const PAUSE: &str = "containerManager.Pause";
 pub const RESUME: &str = "containerManager.Resume";
 pub const IS_PAUSED: &str = "containerManager.IsPaused";
+pub const SET_HOSTNAME: &str = "containerManager.SetHostname";
 
 /// How long one call may take. A pause waits for every task to stop (a task inside a
 /// long host system call delays it), so this is generous; a sandbox that answers
@@ -173,6 +174,38 @@ async fn connect(path: &Path) -> std::io::Result<UnixStream> {
     let s = UnixStream::connect(&via).await;
     drop(f);
     s
+}
+
+/// Sets the hostname of the sandbox's root UTS namespace over its control socket
+/// (`containerManager.SetHostname`, added to the pinned runsc by
+/// `hack/runsc/patches/0004-control-set-hostname.patch`), which a restored branch needs
+/// (gVisor restores the checkpointed hostname). `Ok(false)`: this runsc cannot (no
+/// socket file, or no such method, learnt once in `support`), and the caller execs
+/// `hostname` in the sandbox instead.
+pub async fn set_hostname(ctx: &SandboxCtx, support: &Support, host: &str) -> Result<bool> {
+    if support.known() == Some(false) {
+        return Ok(false);
+    }
+    let path = socket_path(ctx);
+    if !path.exists() {
+        return Ok(false);
+    }
+    let arg = serde_json::Value::String(host.to_string());
+    match call(&ctx.id, &path, SET_HOSTNAME, arg).await {
+        Ok(_) => {
+            support.set(true);
+            Ok(true)
+        }
+        Err(Error::Sandbox { reason, .. }) if reason.ends_with(": unknown method") => {
+            tracing::info!(
+                "this runsc's control server has no SetHostname (not the pinned, patched \
+                 runsc): restored branches get their hostnames through `runsc exec`"
+            );
+            support.set(false);
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// The sandbox's control server, when this runsc's can be driven directly; `None`
