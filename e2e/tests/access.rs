@@ -572,6 +572,83 @@ async fn logs_follow_as_lines_come_show_the_tail_and_end_with_the_sandbox() {
     sys.teardown_and_check_clean().await;
 }
 
+/// `logs --since-time` and `--since`: only what the sandbox printed from that time on.
+/// The node samples each console log's length every second, so the test picks a time
+/// at which the index already holds the early lines (nothing is shown since it), then
+/// lets the sandbox print more.
+#[tokio::test]
+async fn logs_since_show_only_what_was_printed_from_that_time_on() {
+    let sys = System::start("logs-since").await;
+    let _api = sys.start_api();
+    sys.apply(&sys.sandbox_with(
+        "pauser",
+        "echo early 1; echo early 2; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo late 1; echo late 2; while :; do sleep 1000; done",
+        "",
+    ));
+    sys.wait_running("pauser").await;
+    let logs = |args: &[&str]| {
+        let mut a = vec!["logs", "pauser"];
+        a.extend_from_slice(args);
+        let (code, out, err) = sys.plugin(&a);
+        assert_eq!(code, 0, "logs {args:?}: {err}");
+        out
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !logs(&[]).contains("early 2") {
+        assert!(Instant::now() < deadline, "pauser printed {:?}", logs(&[]));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let since = loop {
+        let t = k8s_openapi::jiff::Timestamp::now().to_string();
+        if logs(&["--since-time", &t]).is_empty() {
+            break t;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the node never recorded the early lines: since {t}: {:?}",
+            logs(&["--since-time", &t])
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let (code, _, err) = sys.plugin(&["exec", "pauser", "--", "touch", "/tmp/go"]);
+    assert_eq!(code, 0, "exec: {err}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !logs(&[]).contains("late 2") {
+        assert!(Instant::now() < deadline, "pauser printed {:?}", logs(&[]));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(logs(&["--since-time", &since]), "late 1\nlate 2\n");
+    assert_eq!(logs(&["--since-time", &since, "--tail", "1"]), "late 2\n");
+    assert_eq!(
+        logs(&["--since", "1h"]),
+        "early 1\nearly 2\nlate 1\nlate 2\n"
+    );
+    println!("logs --since-time {since}: only the late lines");
+
+    // Bad input: refused by the plugin, naming the flag, and by the endpoint, naming
+    // the query parameter.
+    let (code, _, err) = sys.plugin(&["logs", "pauser", "--since", "5x"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--since"), "{err}");
+    let path = ramify_crds::subresources::subresource_path(
+        "/apis/subresources.ramify.dev/v1alpha1",
+        &sys.ns.name,
+        "pauser",
+        "log",
+    );
+    let out = sys
+        .cp
+        .kubectl_run(
+            &["get", "--raw", &format!("{path}?sinceSeconds=soon")],
+            None,
+        )
+        .unwrap();
+    assert!(!out.success, "{out:?}");
+    assert!(out.stderr.contains("sinceSeconds"), "{}", out.stderr);
+    sys.teardown_and_check_clean().await;
+}
+
 /// `kubectl ramify port-forward SANDBOX :PORT` as `kubeconfig`'s user, running: the
 /// child and the local port it listens on.
 fn port_forward(

@@ -9,6 +9,7 @@
 //!   the [`placement::Placement`] trait is the seam for placing sandboxes in Pods).
 //! - [`engine`]: start, exec, snapshot, fork, warm pools, commit (Full/Paths), abort.
 //! - [`control`]: the `/run/ramify` control mount, parsed defensively.
+//! - [`console_times`]: when each part of a console log was written (`logs --since`).
 //! - [`store`]: snapshot images with sha256, version pinning and TTL.
 //! - [`platform`]: the gVisor platform (`auto` probes systrap) and which images restore where.
 //! - [`exit_reason`]: what a sandbox's end left (exit line, out-of-memory, pids limit).
@@ -19,6 +20,7 @@
 
 pub mod cgroup;
 pub mod cmd;
+pub mod console_times;
 pub mod control;
 pub mod diff;
 pub mod engine;

@@ -10,6 +10,7 @@
 //! the sandbox's namespace decides.
 
 mod exec;
+mod logs;
 mod port_forward;
 mod top;
 mod tree;
@@ -209,6 +210,13 @@ enum Cmd {
         /// Only its last N lines (then, following, what comes).
         #[arg(long, value_name = "N")]
         tail: Option<u64>,
+        /// Only what it printed in the last DURATION (30s, 5m, 1h30m), to the second
+        /// the node keeps: it may show up to a second more.
+        #[arg(long, value_name = "DURATION", conflicts_with = "since_time")]
+        since: Option<String>,
+        /// Only what it printed from TIME on (RFC 3339, e.g. 2026-12-07T17:00:00Z).
+        #[arg(long, value_name = "TIME")]
+        since_time: Option<String>,
     },
     /// List the files a branch changed since it was restored, under the globs (needs
     /// `get` on `sandboxes/diff`).
@@ -579,16 +587,12 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             sandbox,
             follow,
             tail,
+            since,
+            since_time,
         } => {
-            // A Pod log's query parameters (`kubectl logs -f --tail`).
-            let tail = tail.map(|n| n.to_string());
-            let mut query: Vec<(&str, &str)> = Vec::new();
-            if follow {
-                query.push(("follow", "true"));
-            }
-            if let Some(n) = &tail {
-                query.push(("tailLines", n.as_str()));
-            }
+            // A Pod log's query parameters (`kubectl logs -f --tail --since`).
+            let owned = logs::query(follow, tail, since.as_deref(), since_time.as_deref())?;
+            let query: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
             get_subresource(
                 &client,
                 &ns,

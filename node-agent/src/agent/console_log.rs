@@ -1,41 +1,82 @@
 //! A sandbox's console log as the endpoint serves it (`kubectl ramify logs`): all of
-//! it, or its last `tailLines` lines, and with `follow` what it prints next, as it
-//! comes, until the sandbox stops running or the client goes. The query parameters
-//! are a Pod log's (`PodLogOptions`).
+//! it, what it printed since `sinceSeconds` or `sinceTime`, or its last `tailLines`
+//! lines of that, and with `follow` what it prints next, as it comes, until the
+//! sandbox stops running or the client goes. The query parameters are a Pod log's
+//! (`PodLogOptions`). The times come from the agent's index beside the log
+//! ([`ramify_engine::console_times`]), which [`Agent::time_console_logs`] keeps.
 
+use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use futures::Stream;
+use ramify_engine::console_times;
 use tokio::io::AsyncReadExt;
+use tracing::warn;
+
+use super::Agent;
 
 /// How often a followed log is read again once it reached its end.
 const FOLLOW_POLL: Duration = Duration::from_millis(200);
 /// Every this many empty polls, whether the sandbox still runs is asked.
 const ALIVE_EVERY: u32 = 10;
+/// How often the length of every held sandbox's console log is sampled: the
+/// precision of `since`.
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 
 /// What the client asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LogOptions {
     pub follow: bool,
     pub tail_lines: Option<u64>,
+    /// Only what was printed from this time on.
+    pub since: Option<SystemTime>,
 }
 
 impl LogOptions {
-    /// From the query's `follow` (`true`/`1`) and `tailLines` (a count); a `tailLines`
-    /// that is no count is refused with what was wrong.
-    pub fn parse(follow: &[String], tail_lines: &[String]) -> Result<LogOptions, String> {
-        let follow = follow.iter().any(|v| v == "true" || v == "1");
-        let tail_lines = match tail_lines.last() {
+    /// From the query's `follow` (`true`/`1`), `tailLines` (a count), and at most one
+    /// of `sinceSeconds` (a positive count of seconds before `now`) and `sinceTime` (an
+    /// RFC 3339 time), as `query` gives each parameter's values. Anything else is
+    /// refused with the parameter and what was wrong.
+    pub fn parse(
+        query: impl Fn(&str) -> Vec<String>,
+        now: SystemTime,
+    ) -> Result<LogOptions, String> {
+        let follow = query("follow").iter().any(|v| v == "true" || v == "1");
+        let tail_lines = match query("tailLines").last() {
             None => None,
             Some(v) => Some(
                 v.parse::<u64>()
                     .map_err(|_| format!("tailLines must be a count of lines, not {v:?}"))?,
             ),
         };
-        Ok(LogOptions { follow, tail_lines })
+        let since = match (query("sinceSeconds").last(), query("sinceTime").last()) {
+            (Some(_), Some(_)) => {
+                return Err("at most one of sinceSeconds and sinceTime may be given".into());
+            }
+            (Some(v), None) => match v.parse::<u64>() {
+                Ok(secs) if secs > 0 => Some(console_times::seconds_before(now, secs)),
+                _ => {
+                    return Err(format!(
+                        "sinceSeconds must be a positive count of seconds, not {v:?}"
+                    ));
+                }
+            },
+            (None, Some(v)) => Some(SystemTime::from(
+                v.parse::<k8s_openapi::jiff::Timestamp>().map_err(|e| {
+                    format!("sinceTime must be an RFC 3339 time like 2026-12-07T17:00:00Z, not {v:?}: {e}")
+                })?,
+            )),
+            (None, None) => None,
+        };
+        Ok(LogOptions {
+            follow,
+            tail_lines,
+            since,
+        })
     }
 }
 
@@ -106,7 +147,7 @@ where
     futures::stream::unfold(state, |mut s| async move {
         loop {
             if s.file.is_none() {
-                match open_at(&s.path, s.opts.tail_lines) {
+                match open_at(&s.path, s.opts.tail_lines, s.opts.since) {
                     Ok(Some(f)) => s.file = Some(tokio::fs::File::from_std(f)),
                     // Nothing printed yet: an empty log, or wait for one.
                     Ok(None) if !s.opts.follow || s.ending => return None,
@@ -141,19 +182,76 @@ where
     })
 }
 
-/// The log opened at the start of its last `tail` lines; None when there is none yet.
-fn open_at(path: &PathBuf, tail: Option<u64>) -> std::io::Result<Option<std::fs::File>> {
+/// The log opened at the start of what it printed since `since`, or of its last `tail`
+/// lines of that; None when there is none yet.
+fn open_at(
+    path: &Path,
+    tail: Option<u64>,
+    since: Option<SystemTime>,
+) -> std::io::Result<Option<std::fs::File>> {
     let mut f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
-    let from = match tail {
+    let since = match since {
+        Some(t) => console_times::since_offset(path, &mut f, t)?,
+        None => 0,
+    };
+    let tail = match tail {
         Some(n) => tail_offset(&mut f, n)?,
         None => 0,
     };
-    f.seek(SeekFrom::Start(from))?;
+    f.seek(SeekFrom::Start(since.max(tail)))?;
     Ok(Some(f))
+}
+
+impl Agent {
+    /// Every [`SAMPLE_EVERY`]: the console log of each sandbox held here that grew
+    /// since the last look gets a record in its time index (what `since` reads). A
+    /// restarted agent picks up from each index's last record.
+    pub(super) async fn time_console_logs(self: Arc<Self>) {
+        let mut seen: HashMap<PathBuf, u64> = HashMap::new();
+        loop {
+            tokio::time::sleep(SAMPLE_EVERY).await;
+            let logs: Vec<PathBuf> = self
+                .held
+                .all()
+                .into_iter()
+                .filter_map(|(_, h)| {
+                    // Busy (a commit, a resume): sampled next time.
+                    h.try_lock()
+                        .ok()
+                        .and_then(|g| g.as_ref().map(|sb| self.engine.log_path(sb)))
+                })
+                .collect();
+            let now = console_times::millis(SystemTime::now());
+            for log in &logs {
+                let Ok(len) = std::fs::metadata(log).map(|m| m.len()) else {
+                    continue; // nothing printed yet
+                };
+                let index = console_times::index_path(log);
+                let last = match seen.get(log) {
+                    Some(l) => *l,
+                    None => console_times::last_length(&index).unwrap_or(0),
+                };
+                if len == last {
+                    seen.insert(log.clone(), last);
+                    continue;
+                }
+                match console_times::record(&index, now, len) {
+                    Ok(()) => {
+                        seen.insert(log.clone(), len);
+                    }
+                    Err(e) => {
+                        warn!(log = %log.display(), error = %e, "recording when the console log grew failed")
+                    }
+                }
+            }
+            // Sandboxes gone: their logs with them.
+            seen.retain(|l, _| logs.contains(l));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -194,21 +292,90 @@ mod tests {
         assert_eq!(tail(&long, 20_000), long);
     }
 
+    fn parse(q: &[(&str, &str)]) -> Result<LogOptions, String> {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        LogOptions::parse(
+            |k| {
+                q.iter()
+                    .filter(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+                    .collect()
+            },
+            now,
+        )
+    }
+
     #[test]
     fn options_are_a_pod_logs() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         assert_eq!(
-            LogOptions::parse(&s(&["true"]), &s(&["5"])),
+            parse(&[("follow", "true"), ("tailLines", "5")]),
             Ok(LogOptions {
                 follow: true,
-                tail_lines: Some(5)
+                tail_lines: Some(5),
+                since: None,
             })
         );
-        assert_eq!(LogOptions::parse(&[], &[]), Ok(LogOptions::default()));
+        assert_eq!(parse(&[]), Ok(LogOptions::default()));
         assert!(matches!(
-            LogOptions::parse(&[], &s(&["-1"])),
+            parse(&[("tailLines", "-1")]),
             Err(why) if why.contains("tailLines")
         ));
+        let epoch = SystemTime::UNIX_EPOCH;
+        assert_eq!(
+            parse(&[("sinceSeconds", "60")]).map(|o| o.since),
+            Ok(Some(epoch + Duration::from_secs(1_000_000 - 60)))
+        );
+        assert_eq!(
+            parse(&[("sinceTime", "1970-01-01T00:01:40.5Z")]).map(|o| o.since),
+            Ok(Some(epoch + Duration::from_millis(100_500)))
+        );
+        for bad in [
+            vec![("sinceSeconds", "0")],
+            vec![("sinceSeconds", "-5")],
+            vec![("sinceSeconds", "5m")],
+        ] {
+            assert!(
+                matches!(parse(&bad), Err(why) if why.contains("sinceSeconds")),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            parse(&[("sinceTime", "yesterday")]),
+            Err(why) if why.contains("sinceTime") && why.contains("RFC 3339")
+        ));
+        assert!(matches!(
+            parse(&[("sinceSeconds", "5"), ("sinceTime", "1970-01-01T00:01:40Z")]),
+            Err(why) if why.contains("at most one")
+        ));
+    }
+
+    #[test]
+    fn since_and_tail_together_give_the_last_lines_of_what_came_since() {
+        let (_d, path) = log_with("early 1\nearly 2\nlate 1\nlate 2\nlate 3\n");
+        let index = console_times::index_path(&path);
+        console_times::record(&index, 1_000, 16).unwrap_or_else(|e| panic!("{e}"));
+        console_times::record(&index, 2_000, 37).unwrap_or_else(|e| panic!("{e}"));
+        let read = |tail: Option<u64>, since_ms: u64| {
+            let since = SystemTime::UNIX_EPOCH + Duration::from_millis(since_ms);
+            let mut f = open_at(&path, tail, Some(since))
+                .unwrap_or_else(|e| panic!("{e}"))
+                .unwrap_or_else(|| panic!("no log"));
+            let mut s = String::new();
+            f.read_to_string(&mut s).unwrap_or_else(|e| panic!("{e}"));
+            s
+        };
+        assert_eq!(read(None, 1_500), "late 1\nlate 2\nlate 3\n");
+        assert_eq!(read(Some(2), 1_500), "late 2\nlate 3\n");
+        assert_eq!(
+            read(Some(10), 1_500),
+            "late 1\nlate 2\nlate 3\n",
+            "no further back than since"
+        );
+        assert_eq!(
+            read(None, 500),
+            "early 1\nearly 2\nlate 1\nlate 2\nlate 3\n"
+        );
+        assert_eq!(read(None, 2_000), "", "nothing printed since");
     }
 
     #[tokio::test]
@@ -218,7 +385,7 @@ mod tests {
         let a = alive.clone();
         let opts = LogOptions {
             follow: true,
-            tail_lines: None,
+            ..LogOptions::default()
         };
         let mut s = Box::pin(stream(path.clone(), opts, move || {
             let a = a.clone();

@@ -8,7 +8,7 @@
 //! Paths (`GET`, below `/v1`): `namespaces/{ns}/sandboxes/{name}/exec?command=...`
 //! (a WebSocket with the Kubernetes channel protocol, output streamed as it comes,
 //! with `stdin=true` and `tty=true` as a Pod exec's: see [`super::exec_stream`]),
-//! `.../log?follow=true&tailLines=N` (the console log, streamed; following),
+//! `.../log?follow=true&tailLines=N&sinceSeconds=S` (the console log, streamed; following),
 //! `.../diff?path=GLOB` (JSON) and `.../portforward?ports=P` (a WebSocket carrying one
 //! TCP connection to port P on the sandbox's loopback; see
 //! [`ramify_crds::subresources`] for its framing).
@@ -229,8 +229,8 @@ impl State {
             }
             sub::SUBRESOURCE_LOG => {
                 let opts = match super::console_log::LogOptions::parse(
-                    &https::query_values(&req, "follow"),
-                    &https::query_values(&req, "tailLines"),
+                    |k| https::query_values(&req, k),
+                    std::time::SystemTime::now(),
                 ) {
                     Ok(o) => o,
                     Err(why) => return https::status(StatusCode::BAD_REQUEST, &why),

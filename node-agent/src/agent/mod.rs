@@ -487,6 +487,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let fetched = tokio::spawn(agent.clone().sweep_fetched());
     let drain = tokio::spawn(agent.clone().watch_drain());
     let usage = tokio::spawn(agent.clone().report_usage());
+    let console_times = tokio::spawn(agent.clone().time_console_logs());
     let wakes = tokio::spawn(agent.clone().forward_wakes());
     if agent.cfg.mode == ramify_crds::pod::Mode::Cluster {
         tokio::spawn(agent.clone().heartbeat_pods());
@@ -500,6 +501,7 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     fetched.abort();
     drain.abort();
     usage.abort();
+    console_times.abort();
     wakes.abort();
     Ok(())
 }
