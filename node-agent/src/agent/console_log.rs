@@ -206,12 +206,49 @@ fn open_at(
     Ok(Some(f))
 }
 
+/// The time index of the console logs of the sandboxes held here, kept by sampling
+/// their lengths: the length each log had at its last record.
+#[derive(Default)]
+pub struct ConsoleClock {
+    seen: HashMap<PathBuf, u64>,
+}
+
+impl ConsoleClock {
+    /// One round at `now_ms` over `logs`, the console logs of the sandboxes held now:
+    /// each that grew since its last record gets one. A log seen for the first time
+    /// (a restarted agent) is compared with its index's last record; the logs of
+    /// sandboxes gone are forgotten.
+    pub fn round(&mut self, logs: &[PathBuf], now_ms: u64) {
+        for log in logs {
+            let Ok(len) = std::fs::metadata(log).map(|m| m.len()) else {
+                continue; // nothing printed yet
+            };
+            let index = console_times::index_path(log);
+            let last = match self.seen.get(log) {
+                Some(l) => *l,
+                None => console_times::last_length(&index).unwrap_or(0),
+            };
+            if len == last {
+                self.seen.insert(log.clone(), last);
+                continue;
+            }
+            match console_times::record(&index, now_ms, len) {
+                Ok(()) => {
+                    self.seen.insert(log.clone(), len);
+                }
+                Err(e) => {
+                    warn!(log = %log.display(), error = %e, "recording when the console log grew failed");
+                }
+            }
+        }
+        self.seen.retain(|l, _| logs.contains(l));
+    }
+}
+
 impl Agent {
-    /// Every [`SAMPLE_EVERY`]: the console log of each sandbox held here that grew
-    /// since the last look gets a record in its time index (what `since` reads). A
-    /// restarted agent picks up from each index's last record.
+    /// Every [`SAMPLE_EVERY`], a [`ConsoleClock`] round over the held sandboxes' logs.
     pub(super) async fn time_console_logs(self: Arc<Self>) {
-        let mut seen: HashMap<PathBuf, u64> = HashMap::new();
+        let mut clock = ConsoleClock::default();
         loop {
             tokio::time::sleep(SAMPLE_EVERY).await;
             let logs: Vec<PathBuf> = self
@@ -225,31 +262,7 @@ impl Agent {
                         .and_then(|g| g.as_ref().map(|sb| self.engine.log_path(sb)))
                 })
                 .collect();
-            let now = console_times::millis(SystemTime::now());
-            for log in &logs {
-                let Ok(len) = std::fs::metadata(log).map(|m| m.len()) else {
-                    continue; // nothing printed yet
-                };
-                let index = console_times::index_path(log);
-                let last = match seen.get(log) {
-                    Some(l) => *l,
-                    None => console_times::last_length(&index).unwrap_or(0),
-                };
-                if len == last {
-                    seen.insert(log.clone(), last);
-                    continue;
-                }
-                match console_times::record(&index, now, len) {
-                    Ok(()) => {
-                        seen.insert(log.clone(), len);
-                    }
-                    Err(e) => {
-                        warn!(log = %log.display(), error = %e, "recording when the console log grew failed")
-                    }
-                }
-            }
-            // Sandboxes gone: their logs with them.
-            seen.retain(|l, _| logs.contains(l));
+            clock.round(&logs, console_times::millis(SystemTime::now()));
         }
     }
 }
@@ -376,6 +389,30 @@ mod tests {
             "early 1\nearly 2\nlate 1\nlate 2\nlate 3\n"
         );
         assert_eq!(read(None, 2_000), "", "nothing printed since");
+    }
+
+    #[test]
+    fn the_clock_records_a_log_when_it_grew_and_picks_up_after_a_restart() {
+        let (_d, path) = log_with("one\n");
+        let index = console_times::index_path(&path);
+        let records = || std::fs::metadata(&index).map(|m| m.len() / 16).unwrap_or(0);
+        let logs = vec![path.clone()];
+        let mut clock = ConsoleClock::default();
+        clock.round(&logs, 1_000);
+        clock.round(&logs, 2_000);
+        assert_eq!(records(), 1, "one record while it did not grow");
+        std::fs::write(&path, "one\ntwo\n").unwrap_or_else(|e| panic!("{e}"));
+        clock.round(&logs, 3_000);
+        assert_eq!(records(), 2);
+        assert_eq!(console_times::length_at(&index, 2_999).ok(), Some(4));
+        assert_eq!(console_times::length_at(&index, 3_000).ok(), Some(8));
+        // A restarted agent's clock: no second record of the same length.
+        let mut again = ConsoleClock::default();
+        again.round(&logs, 4_000);
+        assert_eq!(records(), 2);
+        // Its sandbox gone, the log is forgotten.
+        again.round(&[], 5_000);
+        assert!(again.seen.is_empty());
     }
 
     #[tokio::test]
