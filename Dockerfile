@@ -74,7 +74,7 @@ ENTRYPOINT ["/ramify-pod"]
 # --- node agent: runsc, CNI plugins and iptables for per-sandbox networking ---------
 FROM debian:bookworm-slim AS node-agent
 RUN apt-get update && apt-get install -y --no-install-recommends \
-      ca-certificates containernetworking-plugins iproute2 iptables util-linux && \
+      ca-certificates iproute2 iptables util-linux && \
     rm -rf /var/lib/apt/lists/*
 COPY --from=runsc-build /runsc /usr/local/bin/runsc
 COPY --from=rust-build /out/ramify-node-agent /usr/local/bin/ramify-node-agent

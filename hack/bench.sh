@@ -48,11 +48,11 @@ one() {
     engine:true) run "$n" "$bin/ramify-bench" --runsc "$runsc" --claims 5 --dirty 0 --forks 1 \
       --platform-runs 1 --store-dirty 8 --throttle-runs 1 \
       --lazy-mib 32 --lazy-branches 2 \
-      --scenarios engine,platforms,suspend,store,throttle,lazy,python,portforward --python-tar "$(hack/images/debootstrap.sh)" \
+      --scenarios engine,platforms,suspend,store,throttle,lazy,python,portforward,network --net-runs 1 --python-tar "$(hack/images/debootstrap.sh)" \
       --python-rows 2000 --python-dict 10000 --python-branches 2 --pf-requests 2 ;;
     engine:false)
       run "$n" target/release/ramify-bench --runsc "$runsc"
-      run "$n" target/release/ramify-bench --runsc "$runsc" --scenarios suspend,store,throttle,lazy,python,portforward --dirty 0,64,256 \
+      run "$n" target/release/ramify-bench --runsc "$runsc" --scenarios suspend,store,throttle,lazy,python,portforward,network --dirty 0,64,256 \
         --python-tar "$(hack/images/debootstrap.sh)" ;;
     e2e:true) run "$n" "$bin/ramify-e2e-bench" --runs 1 ;;
     e2e:false) run "$n" "$bin/ramify-e2e-bench" --runs 5 ;;

@@ -1,7 +1,7 @@
 //! Runs a sandbox, snapshots it live and forks it three ways: the example of
 //! `engine/README.md` (the lines between the README markers are the README's).
 //!
-//! As root, with runsc, busybox (static), the CNI plugins and iptables installed:
+//! As root, with runsc, busybox (static) and iptables installed:
 //!     cargo run -p ramify-engine --example fork -- /tmp/ramify-example
 //! It builds a busybox root filesystem in that directory, keeps its state there, and
 //! leaves no sandbox, netns or cgroup behind.
@@ -23,11 +23,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rootfs = busybox_root(&dir.join("rootfs"))?;
     // A bridge and subnet of the example's own; runsc from RAMIFY_RUNSC or PATH.
     let placement = Standalone::new(StandaloneConfig {
-        cni_bin_dir: "/usr/lib/cni".into(),
         bridge: "rmyex0".into(),
         subnet: "10.232.0.0/24".into(),
         ipam_dir: dir.join("ipam"),
-        conf_dir: dir.join("cni"),
         cgroup_parent: "/ramify-example".into(),
     })?;
     let config = EngineConfig {

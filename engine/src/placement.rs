@@ -1,17 +1,18 @@
 //! Where a sandbox runs: its network namespace, cgroup and network policy.
 //!
 //! `Placement` is the seam between the engine and the node: standalone mode (here)
-//! creates a netns per sandbox with the CNI bridge + host-local plugins and owns it;
+//! creates a netns per sandbox on the node's bridge ([`netlink`], in-process) and owns it;
 //! cluster mode (the node agent's `cluster_placement`) hands back a Pod's netns and a
 //! cgroup below the Pod's, built from the pieces this module exports.
 
 pub mod egress;
+mod ipam;
+mod netlink;
 pub mod pod_proc;
 
 use std::fmt::Debug;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
@@ -122,15 +123,12 @@ pub trait Placement: Send + Sync + Debug {
 /// Standalone placement settings.
 #[derive(Debug, Clone)]
 pub struct StandaloneConfig {
-    pub cni_bin_dir: PathBuf,
     /// Linux bridge the sandboxes hang off.
     pub bridge: String,
-    /// IPv4 subnet handed out by host-local, e.g. 10.88.0.0/16.
+    /// IPv4 subnet the sandboxes' addresses are leased from, e.g. 10.88.0.0/16.
     pub subnet: String,
-    /// host-local's lease directory.
+    /// The lease directory (in the CNI host-local plugin's format, see [`ipam`]).
     pub ipam_dir: PathBuf,
-    /// Where CNI network config is written.
-    pub conf_dir: PathBuf,
     /// cgroupsPath parent, e.g. "/ramify".
     pub cgroup_parent: String,
 }
@@ -138,7 +136,7 @@ pub struct StandaloneConfig {
 #[derive(Debug)]
 pub struct Standalone {
     cfg: StandaloneConfig,
-    netconf: PathBuf,
+    net: netlink::BridgeNet,
 }
 
 /// The command that deletes a rule as `iptables -S` lists it (`-A CHAIN spec...`);
@@ -157,22 +155,11 @@ pub fn netns_path(id: &str) -> PathBuf {
     Path::new("/run/netns").join(id)
 }
 
-/// Removes the name `ip netns` gave a network namespace (a bind mount; the namespace
+/// Removes the name of sandbox `id`'s network namespace (a bind mount; the namespace
 /// itself lives on while anything is in it). A name already gone is what was wanted: a
 /// retry after a failed teardown must not fail on that for ever.
 pub async fn delete_netns(id: &str) -> Result<()> {
-    let deleted = Cmd::new("ip")
-        .args(["netns", "delete", id])
-        .run()
-        .await
-        .map(|_| ());
-    deleted.or_else(|e| {
-        if netns_path(id).exists() {
-            Err(e)
-        } else {
-            Ok(())
-        }
-    })
+    netlink::delete_netns(&netns_path(id))
 }
 
 /// Puts eth0's address and default route back in the sandbox's netns: runsc moves
@@ -182,34 +169,7 @@ pub async fn put_back_address(placed: &Placed) -> Result<()> {
     let (Some(ns), Some(a)) = (&placed.netns, &placed.address) else {
         return Ok(());
     };
-    // One `ip` process for every step; it stops at the first that fails. Loopback
-    // first: runsc takes only interfaces that are up (see [`loopback_up`]).
-    let mut batch = format!(
-        "link set lo up\nlink set eth0 up\naddr replace {}/{} dev eth0\n",
-        a.ip, a.prefix
-    );
-    if let Some(gw) = a.gateway {
-        batch.push_str(&format!("route replace default via {gw} dev eth0\n"));
-    }
-    Cmd::new("nsenter")
-        .arg(format!("--net={}", ns.display()))
-        .args(["--", "ip", "-batch", "-"])
-        .stdin_bytes(batch)
-        .run()
-        .await?;
-    Ok(())
-}
-
-/// Brings up `lo` in the named network namespace `id`. A new namespace's loopback is
-/// down, and runsc (`--network=sandbox`) builds the sandbox's interfaces from those that
-/// are up: without this a workload has no 127.0.0.1 or ::1 (binding them fails with
-/// EADDRNOTAVAIL), so no server on localhost. The kernel gives an up `lo` both addresses.
-pub(crate) async fn loopback_up(id: &str) -> Result<()> {
-    Cmd::new("ip")
-        .args(["-n", id, "link", "set", "lo", "up"])
-        .run()
-        .await?;
-    Ok(())
+    netlink::restore_address(ns, a).await
 }
 
 /// The first error of best-effort steps (each is logged as it happens).
@@ -256,166 +216,38 @@ pub fn chain_name(id: &str) -> String {
     format!("RAMIFY-{}", &hex::encode(h)[..12])
 }
 
-/// Parse a CNI ADD result: the first IP, and the host-side veth (an interface
-/// without a `sandbox` that is not the bridge).
-pub fn parse_cni_result(json: &[u8], bridge: &str) -> Result<(Address, Option<String>)> {
-    #[derive(Deserialize)]
-    struct Iface {
-        name: String,
-        #[serde(default)]
-        sandbox: Option<String>,
-    }
-    #[derive(Deserialize)]
-    struct Ip {
-        address: String,
-        #[serde(default)]
-        gateway: Option<String>,
-    }
-    #[derive(Deserialize)]
-    struct Res {
-        #[serde(default)]
-        interfaces: Vec<Iface>,
-        #[serde(default)]
-        ips: Vec<Ip>,
-    }
-    let r: Res =
-        serde_json::from_slice(json).map_err(|e| Error::Network(format!("CNI result: {e}")))?;
-    let ip = r
-        .ips
-        .first()
-        .ok_or_else(|| Error::Network("CNI result has no IP".into()))?;
-    let c: Cidr = ip.address.parse()?;
-    let gateway = match &ip.gateway {
-        Some(g) => Some(
-            g.parse()
-                .map_err(|_| Error::Network(format!("bad gateway {g:?}")))?,
-        ),
-        None => None,
-    };
-    let veth = r
-        .interfaces
-        .into_iter()
-        .find(|i| i.sandbox.as_deref().is_none_or(str::is_empty) && i.name != bridge)
-        .map(|i| i.name);
-    Ok((
-        Address {
-            ip: c.addr,
-            prefix: c.prefix,
-            gateway,
-        },
-        veth,
-    ))
-}
-
 impl Standalone {
     pub fn new(cfg: StandaloneConfig) -> Result<Self> {
-        let _: Cidr = cfg.subnet.parse()?;
+        let subnet: Cidr = cfg.subnet.parse()?;
         // Agent state: owner-only, like the rest of it.
-        crate::private::dir_all(&cfg.conf_dir)?;
         crate::private::dir_all(&cfg.ipam_dir)?;
-        for plugin in ["bridge", "host-local"] {
-            if !cfg.cni_bin_dir.join(plugin).exists() {
-                return Err(Error::MissingTool(format!(
-                    "CNI plugin {plugin} in {} (apt-get install containernetworking-plugins)",
-                    cfg.cni_bin_dir.display()
-                )));
-            }
-        }
-        let conf = serde_json::json!({
-            "cniVersion": "1.0.0",
-            "name": format!("ramify-{}", cfg.bridge),
-            "type": "bridge",
-            "bridge": cfg.bridge,
-            "isGateway": true,
-            "ipMasq": false,
-            "hairpinMode": false,
-            "ipam": {
-                "type": "host-local",
-                "subnet": cfg.subnet,
-                "routes": [{"dst": "0.0.0.0/0"}],
-                "dataDir": cfg.ipam_dir,
-            }
-        });
-        let netconf = cfg.conf_dir.join(format!("{}.conf", cfg.bridge));
-        // Atomically: every CLI run on this state (`exec`, `cleanup`) builds this too,
-        // and a truncate-then-write under a running agent's CNI ADD fed the plugin an
-        // empty config ("unexpected end of JSON input": a branch failed its restore).
-        let bytes = serde_json::to_vec(&conf)?;
-        if std::fs::read(&netconf).ok().as_deref() != Some(bytes.as_slice()) {
-            crate::private::write_atomic(&netconf, &bytes)?;
-        }
-        Ok(Standalone { cfg, netconf })
-    }
-
-    fn cni(&self, command: &str, id: &str) -> Cmd {
-        Cmd::new(self.cfg.cni_bin_dir.join("bridge"))
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", id)
-            .env("CNI_NETNS", netns_path(id))
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", &self.cfg.cni_bin_dir)
-            .stdin_file(&self.netconf)
-            .timeout(Duration::from_secs(30))
-    }
-
-    /// CNI DEL, tried up to three times: it is idempotent, and one run while other
-    /// sandboxes' links are torn down at the same moment was seen to fail (exit 1),
-    /// which would leave the sandbox's IP lease behind for good.
-    async fn cni_del(&self, id: &str) -> Result<()> {
-        let mut attempt = 0;
-        loop {
-            let del = self.cni("DEL", id);
-            let out = del.output().await?;
-            if out.code == 0 {
-                return Ok(());
-            }
-            let e = cni_failed(&del, &out);
-            attempt += 1;
-            if attempt == 3 {
-                return Err(e);
-            }
-            warn!(error = %e, attempt, "CNI DEL failed; trying again");
-            tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
-        }
+        // The network's name, which names its lease directory, as the CNI
+        // configuration of earlier agents named it: their leases stay found.
+        let name = format!("ramify-{}", cfg.bridge);
+        let net = netlink::BridgeNet {
+            bridge: cfg.bridge.clone(),
+            leases: ipam::Leases::new(&cfg.ipam_dir, &name, subnet)?,
+        };
+        Ok(Standalone { cfg, net })
     }
 
     async fn place_inner(&self, req: &PlacementRequest, placed: &mut Placed) -> Result<()> {
-        let ns = netns_path(&req.id);
-        Cmd::new("ip")
-            .args(["netns", "add", req.id.as_str()])
-            .run()
-            .await?;
-        placed.netns = Some(ns.clone());
-        loopback_up(&req.id).await?;
-        let add = self.cni("ADD", &req.id);
-        let out = add.output().await?;
-        if out.code != 0 {
-            return Err(cni_failed(&add, &out));
-        }
-        let (addr, veth) = parse_cni_result(&out.stdout, &self.cfg.bridge)?;
-        placed.address = Some(addr.clone());
-        placed.host_veth = veth.clone();
-        // The bridge exists once CNI ADD ran (it creates it on first use).
+        // Recorded first: a half-made namespace is the release's to remove.
+        placed.netns = Some(netns_path(&req.id));
+        let attached = self.net.attach(&req.id).await?;
+        placed.address = Some(attached.address.clone());
+        placed.host_veth = Some(attached.host_veth);
+        // The bridge exists once a sandbox was attached (made on first use).
         self.disable_ipv6_on_bridge()?;
-        if let Some(v) = &veth {
-            // Isolated bridge ports cannot talk to each other, only to the bridge
-            // (the gateway), where iptables sees and filters the traffic.
-            Cmd::new("ip")
-                .args([
-                    "link",
-                    "set",
-                    "dev",
-                    v.as_str(),
-                    "type",
-                    "bridge_slave",
-                    "isolated",
-                    "on",
-                ])
-                .run()
-                .await?;
-        }
-        placed.chain =
-            Some(egress::install(&req.id, addr.ip, &req.egress_allow, &self.guard()).await?);
+        placed.chain = Some(
+            egress::install(
+                &req.id,
+                attached.address.ip,
+                &req.egress_allow,
+                &self.guard(),
+            )
+            .await?,
+        );
         Ok(())
     }
 
@@ -440,17 +272,6 @@ impl Standalone {
             return Ok(());
         }
         std::fs::write(&p, b"1").map_err(|e| Error::io("disable IPv6 on the bridge", &p, e))
-    }
-}
-
-/// A CNI plugin's failure: it reports its error as JSON on stdout, not stderr.
-fn cni_failed(cmd: &Cmd, out: &crate::cmd::Output) -> Error {
-    Error::Command {
-        command: cmd.display(),
-        status: format!("exit code {}", out.code),
-        stderr: format!("{} {}", out.stdout_str().trim(), out.stderr_str().trim())
-            .trim()
-            .to_string(),
     }
 }
 
@@ -481,13 +302,16 @@ impl Placement for Standalone {
         Box::pin(async move {
             let mut first = FirstError::default();
             first.note(egress::remove(placed, &self.guard()).await);
-            // CNI DEL releases the IP lease and deletes the veth pair. Also for a
-            // half-made placement: DEL of what was never added, or of a netns that is
-            // gone, is a no-op for the plugins, and a lease must not outlive its owner.
-            // Never for a Pod's netns (a cluster-mode sandbox met by a standalone agent):
-            // DEL would delete the Pod's own eth0.
+            // The lease and the veth pair. Also for a half-made placement: releasing
+            // what was never leased is a no-op, and a lease must not outlive its
+            // owner. Never for a Pod's netns (a cluster-mode sandbox met by a
+            // standalone agent): its eth0 and address are the Pod's.
             if placed.pod.is_none() {
-                first.note(self.cni_del(&placed.id).await);
+                first.note(
+                    self.net
+                        .detach(&placed.id, placed.host_veth.as_deref())
+                        .await,
+                );
             }
             // Only while it exists: a retry after a failed teardown (a process slow to
             // die under load) finds it gone, and must not fail on that for ever.
@@ -516,17 +340,6 @@ mod tests {
         assert!("10.0.0.1/33".parse::<Cidr>().is_err());
         assert!("example.com".parse::<Cidr>().is_err());
         assert!("10.0.0.1/24; rm -rf /".parse::<Cidr>().is_err());
-    }
-
-    #[test]
-    fn cni_result() {
-        let r = br#"{"cniVersion":"1.0.0","interfaces":[{"name":"br0","mac":"x"},{"name":"veth1234","mac":"y"},{"name":"eth0","mac":"z","sandbox":"/run/netns/a"}],"ips":[{"interface":2,"address":"10.231.0.2/24","gateway":"10.231.0.1"}]}"#;
-        let (a, v) = parse_cni_result(r, "br0").unwrap();
-        assert_eq!(a.ip, Ipv4Addr::new(10, 231, 0, 2));
-        assert_eq!(a.prefix, 24);
-        assert_eq!(a.gateway, Some(Ipv4Addr::new(10, 231, 0, 1)));
-        assert_eq!(v.as_deref(), Some("veth1234"));
-        assert!(parse_cni_result(b"{}", "br0").is_err());
     }
 
     #[test]

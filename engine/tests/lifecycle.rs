@@ -492,7 +492,7 @@ fn iptables_lines_mentioning(needles: &[&str]) -> Vec<String> {
 async fn orphan_sweep_removes_every_rule_of_a_dead_owners_placement() {
     use ramify_engine::placement::{Placement, PlacementRequest, chain_name};
     let h = harness("sweep").await;
-    let p = standalone(&h.dir.join("cni-sweep"));
+    let p = standalone();
     // An owner pid above the kernel's pid_max limit (2^22): never alive.
     let id = format!(
         "{PREFIX}4194305-{}",
@@ -526,7 +526,7 @@ async fn orphan_sweep_removes_every_rule_of_a_dead_owners_placement() {
     let left = iptables_lines_mentioning(&[&id, &chain]);
     assert!(left.is_empty(), "the sweep left {left:#?}");
     assert!(!Path::new("/run/netns").join(&id).exists());
-    // The sweep does not release IP leases; CNI DEL does (and tolerates the rest gone).
+    // The sweep does not release IP leases; the release does (and tolerates the rest gone).
     let _ = p.release(&placed).await;
     h.finish().await;
 }
@@ -583,7 +583,7 @@ async fn a_snapshot_into_a_full_store_fails_cleanly_and_leaves_the_source_runnin
 async fn release_removes_the_input_jump_of_a_placement_made_by_an_older_agent() {
     use ramify_engine::placement::{Placement, PlacementRequest, chain_name};
     let h = harness("legacy-release").await;
-    let p = standalone(&h.dir.join("cni-legacy"));
+    let p = standalone();
     let id = placement_id();
     let chain = chain_name(&id);
     let placed = p
@@ -715,7 +715,7 @@ async fn a_sandbox_whose_workload_exits_stops_running_and_a_live_one_keeps_runni
 async fn release_of_a_half_made_placement_removes_its_rules_and_frees_its_address() {
     use ramify_engine::placement::{Placement, PlacementRequest, chain_name};
     let h = harness("half-made").await;
-    let p = standalone(&h.dir.join("cni-half"));
+    let p = standalone();
     let id = placement_id();
     let chain = chain_name(&id);
     let mut placed = p

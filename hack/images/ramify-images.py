@@ -68,7 +68,7 @@ RECIPE = {
         },
         "node-agent": {
             "suite": SUITE,
-            "packages": ["ca-certificates", "containernetworking-plugins", "iproute2", "iptables", "util-linux"],
+            "packages": ["ca-certificates", "iproute2", "iptables", "util-linux"],
             "trees": [],
             "binaries": {
                 "/usr/local/bin/ramify-node-agent": "ramify-node-agent",

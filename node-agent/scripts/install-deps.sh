@@ -2,8 +2,9 @@
 # Installs what the node agent and its tests need on Debian bookworm. Idempotent.
 #   runsc                        gVisor (Debian's 20221219 release; a newer one may be put first on PATH)
 #   busybox-static               rootfs for test sandboxes (static: no libraries to copy)
-#   containernetworking-plugins  CNI bridge + host-local in /usr/lib/cni
-#   iptables iproute2 util-linux egress policy, netns/veth, nsenter/unshare
+#   containernetworking-plugins  CNI bridge + host-local in /usr/lib/cni: only the network
+#                                benchmark's baseline (the agent makes sandbox networks itself)
+#   iptables iproute2 util-linux egress policy, nsenter/unshare
 set -eu
 pkgs="runsc busybox-static containernetworking-plugins iptables iproute2 util-linux tar coreutils"
 missing=""

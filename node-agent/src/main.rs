@@ -373,11 +373,9 @@ async fn engine(
     ramify_engine::private::dir_all(state_dir)?;
     let placement: Arc<dyn Placement> = match s.mode {
         Mode::Standalone => Arc::new(Standalone::new(StandaloneConfig {
-            cni_bin_dir: "/usr/lib/cni".into(),
             bridge: s.bridge.clone(),
             subnet: s.subnet.clone(),
             ipam_dir: state_dir.join("ipam"),
-            conf_dir: state_dir.join("cni"),
             cgroup_parent: s.cgroup_parent.clone(),
         })?),
         Mode::Cluster => Arc::new(Cluster::new(ClusterConfig {

@@ -191,18 +191,28 @@ pub async fn set_hostname(ctx: &SandboxCtx, support: &Support, host: &str) -> Re
         return Ok(false);
     }
     let arg = serde_json::Value::String(host.to_string());
-    match call(&ctx.id, &path, SET_HOSTNAME, arg).await {
-        Ok(_) => {
+    let set = call(&ctx.id, &path, SET_HOSTNAME, arg).await.map(|_| ());
+    let instead = "restored branches get their hostnames through `runsc exec`";
+    Ok(learn(support, SET_HOSTNAME, instead, set)?.is_some())
+}
+
+/// What one call tells of this runsc: `Some` its answer, and the method is known to be
+/// there; `None` when the control server refused the method (an unpatched runsc),
+/// learnt once in `support` and logged with what the agent does `instead`. Any other
+/// error is the call's own.
+fn learn<T>(support: &Support, method: &str, instead: &str, r: Result<T>) -> Result<Option<T>> {
+    match r {
+        Ok(v) => {
             support.set(true);
-            Ok(true)
+            Ok(Some(v))
         }
         Err(Error::Sandbox { reason, .. }) if reason.ends_with(": unknown method") => {
             tracing::info!(
-                "this runsc's control server has no SetHostname (not the pinned, patched \
-                 runsc): restored branches get their hostnames through `runsc exec`"
+                "this runsc's control server has no {method} (not the pinned, patched \
+                 runsc): {instead}"
             );
             support.set(false);
-            Ok(false)
+            Ok(None)
         }
         Err(e) => Err(e),
     }
@@ -232,21 +242,9 @@ impl Control {
             id: ctx.id.clone(),
             path,
         };
-        match c.paused().await {
-            Ok(p) => {
-                support.set(true);
-                Ok(Some((c, p)))
-            }
-            Err(Error::Sandbox { reason, .. }) if reason.ends_with(": unknown method") => {
-                tracing::info!(
-                    "this runsc's control server has no IsPaused (not the pinned, patched \
-                     runsc): pauses and resumes go through the runsc CLI"
-                );
-                support.set(false);
-                Ok(None)
-            }
-            Err(e) => Err(e),
-        }
+        let paused = c.paused().await;
+        let instead = "pauses and resumes go through the runsc CLI";
+        Ok(learn(support, IS_PAUSED, instead, paused)?.map(|p| (c, p)))
     }
 
     /// Whether the sandbox's kernel is paused.

@@ -31,8 +31,6 @@ fn require_tools() {
     for (tool, pkg) in [
         ("/usr/bin/runsc", "runsc"),
         ("/bin/busybox", "busybox-static"),
-        ("/usr/lib/cni/bridge", "containernetworking-plugins"),
-        ("/usr/lib/cni/host-local", "containernetworking-plugins"),
         ("/usr/sbin/iptables", "iptables"),
         ("/usr/bin/nsenter", "util-linux"),
     ] {
@@ -130,13 +128,11 @@ pub async fn rootfs() -> PathBuf {
 }
 
 /// The tests' standalone placement (bridge, subnet and IP leases shared by all).
-pub fn standalone(conf_dir: &Path) -> Standalone {
+pub fn standalone() -> Standalone {
     Standalone::new(StandaloneConfig {
-        cni_bin_dir: "/usr/lib/cni".into(),
         bridge: BRIDGE.into(),
         subnet: SUBNET.into(),
         ipam_dir: base().join("ipam"),
-        conf_dir: conf_dir.to_path_buf(),
         cgroup_parent: "/ramify-test".into(),
     })
     .unwrap()
@@ -173,7 +169,7 @@ pub async fn harness_with(test: &str, runsc: RunscConfig, state_dir: Option<Path
         &uuid::Uuid::new_v4().simple().to_string()[..6]
     ));
     std::fs::create_dir_all(dir.join(ROOTS)).unwrap();
-    let placement = standalone(&dir.join("cni"));
+    let placement = standalone();
     let engine = Engine::new(
         EngineConfig {
             state_dir: state_dir.unwrap_or_else(|| dir.join("state")),

@@ -5,7 +5,7 @@
 //! (`PodLogOptions`). The times come from the agent's index beside the log
 //! ([`ramify_engine::console_times`]), which [`Agent::time_console_logs`] keeps.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -241,7 +241,8 @@ impl ConsoleClock {
                 }
             }
         }
-        self.seen.retain(|l, _| logs.contains(l));
+        let held: HashSet<&PathBuf> = logs.iter().collect();
+        self.seen.retain(|l, _| held.contains(l));
     }
 }
 

@@ -30,6 +30,9 @@
 //! call on the sandbox's control socket) next to `runsc port-forward --stream` by hand
 //! (`--pf-requests`).
 //!
+//! `--scenarios network`: a sandbox's network placed and released in-process, next to
+//! the `ip` and CNI plugin processes that made it before (`--net-runs`).
+//!
 //! Needs root, runsc, busybox-static, containernetworking-plugins, iptables.
 
 use std::path::{Path, PathBuf};
@@ -61,7 +64,7 @@ struct Args {
     #[arg(long, default_value = "auto")]
     platform: String,
     /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`,
-    /// `suspend`, `images`, `store`, `throttle`, `lazy`, `python`, `portforward`.
+    /// `suspend`, `images`, `store`, `throttle`, `lazy`, `python`, `portforward`, `network`.
     #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
     scenarios: Vec<String>,
     /// Platforms the platform scenario compares (each must work with --runsc).
@@ -117,12 +120,17 @@ struct Args {
     /// Requests each way in the `portforward` scenario.
     #[arg(long, default_value_t = 30)]
     pf_requests: usize,
+    /// Runs each way in the `network` scenario.
+    #[arg(long, default_value_t = 10)]
+    net_runs: usize,
 }
 
 #[path = "ramify-bench/images.rs"]
 mod images;
 #[path = "ramify-bench/lazy.rs"]
 mod lazy;
+#[path = "ramify-bench/network.rs"]
+mod network;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
 #[path = "ramify-bench/port_forward.rs"]
@@ -311,12 +319,11 @@ async fn main() -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     let rootfs = busybox_rootfs(&dir.join("rootfs"), Path::new("/bin/busybox"))?;
     std::fs::create_dir_all(dir.join("roots"))?;
+    let (bridge, subnet, ipam_dir) = ("rmybench0", "10.232.0.0/16", dir.join("ipam"));
     let placement = Arc::new(Standalone::new(StandaloneConfig {
-        cni_bin_dir: "/usr/lib/cni".into(),
-        bridge: "rmybench0".into(),
-        subnet: "10.232.0.0/16".into(),
-        ipam_dir: dir.join("ipam"),
-        conf_dir: dir.join("cni"),
+        bridge: bridge.into(),
+        subnet: subnet.into(),
+        ipam_dir: ipam_dir.clone(),
         cgroup_parent: "/ramify-bench".into(),
     })?);
     let engine = Engine::new(
@@ -414,6 +421,18 @@ async fn main() -> Result<()> {
     }
     if result.is_ok() && args.scenarios.iter().any(|s| s == "portforward") {
         result = port_forward::run(&engine, &rootfs, &dir, args.pf_requests).await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "network") {
+        result = network::NetworkBench {
+            placement: &placement,
+            bridge,
+            subnet,
+            ipam_dir: &ipam_dir,
+            dir: &dir,
+            runs: args.net_runs,
+        }
+        .run()
+        .await;
     }
     if result.is_ok() && args.scenarios.iter().any(|s| s == "store") {
         result = store::run(&engine, &rootfs, &dir, args.store_dirty).await;

@@ -1,0 +1,139 @@
+//! A standalone sandbox's network, made in-process (no `ip`, no CNI plugin): its named
+//! namespace with lo up, an `eth0` with a leased address and a default route through
+//! the bridge's gateway, the host end an isolated port of the bridge; the lease in the
+//! CNI host-local format; and all of it gone after the release, which a retry repeats
+//! harmlessly. As root, on the real kernel; no runsc needed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use ramify_engine::placement::{Placed, Placement, PlacementRequest};
+
+fn id() -> String {
+    format!(
+        "{PREFIX}{}-{}",
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    )
+}
+
+fn ip(args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ip {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn lease_file(addr: &str) -> std::path::PathBuf {
+    std::env::temp_dir()
+        .join("ramify-test/ipam")
+        .join(format!("ramify-{BRIDGE}"))
+        .join(addr)
+}
+
+async fn place(p: &dyn Placement, id: &str) -> Placed {
+    p.place(&PlacementRequest {
+        id: id.to_string(),
+        egress_allow: vec![],
+        pod_uid: None,
+    })
+    .await
+    .unwrap_or_else(|e| panic!("place {id}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placement_is_a_namespace_on_the_bridge_and_its_release_leaves_nothing() {
+    let p = standalone();
+    let (a, b) = (id(), id());
+    // At once, as a fork's branches are placed.
+    let (pa, pb) = tokio::join!(place(&p, &a), place(&p, &b));
+
+    for (id, placed) in [(&a, &pa), (&b, &pb)] {
+        assert_eq!(
+            placed.netns.as_deref(),
+            Some(Path::new("/run/netns").join(id).as_path())
+        );
+        let addr = placed.address.clone().unwrap();
+        assert_eq!(addr.gateway.unwrap().to_string(), GATEWAY);
+        assert_eq!(addr.prefix, 16);
+        let lo = ip(&["-n", id, "-o", "addr", "show", "dev", "lo"]);
+        assert!(lo.contains("127.0.0.1/8"), "lo in {id}: {lo}");
+        let link = ip(&["-n", id, "-o", "link", "show", "dev", "lo"]);
+        assert!(link.contains(",UP"), "lo is not up in {id}: {link}");
+        let eth0 = ip(&["-n", id, "-o", "addr", "show", "dev", "eth0"]);
+        assert!(
+            eth0.contains(&format!("inet {}/16", addr.ip)),
+            "eth0 in {id}: {eth0}"
+        );
+        let routes = ip(&["-n", id, "route", "show", "default"]);
+        assert!(
+            routes.contains(&format!("default via {GATEWAY} dev eth0")),
+            "routes in {id}: {routes}"
+        );
+        let veth = placed.host_veth.clone().unwrap();
+        let port = ip(&["-d", "-o", "link", "show", "dev", &veth]);
+        assert!(port.contains(&format!("master {BRIDGE}")), "{port}");
+        assert!(port.contains("state UP"), "{port}");
+        assert!(
+            port.contains("isolated on"),
+            "{veth} is not isolated: {port}"
+        );
+        let lease = std::fs::read(lease_file(&addr.ip.to_string())).unwrap();
+        assert_eq!(lease, format!("{id}\r\neth0").as_bytes());
+    }
+    assert_ne!(
+        pa.address.as_ref().unwrap().ip,
+        pb.address.as_ref().unwrap().ip
+    );
+    let bridge = ip(&["-o", "addr", "show", "dev", BRIDGE]);
+    assert!(bridge.contains(&format!("inet {GATEWAY}/16")), "{bridge}");
+
+    for (id, placed) in [(&a, &pa), (&b, &pb)] {
+        p.release(placed)
+            .await
+            .unwrap_or_else(|e| panic!("release {id}: {e}"));
+        assert!(!Path::new("/run/netns").join(id).exists());
+        let veth = placed.host_veth.clone().unwrap();
+        assert!(
+            !Path::new("/sys/class/net").join(&veth).exists(),
+            "{veth} left"
+        );
+        let addr = placed.address.as_ref().unwrap().ip.to_string();
+        assert!(!lease_file(&addr).exists(), "{addr} still leased");
+        // A teardown retried: what is gone is no error.
+        p.release(placed)
+            .await
+            .unwrap_or_else(|e| panic!("second release of {id}: {e}"));
+    }
+}
+
+/// The address put back into a namespace whose eth0 lost it (runsc moves eth0's
+/// addresses into its netstack; a restore into the same namespace needs them again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_taken_from_eth0_is_put_back() {
+    let p = standalone();
+    let id = id();
+    let placed = place(&p, &id).await;
+    let addr = placed.address.clone().unwrap();
+    ip(&["-n", &id, "addr", "flush", "dev", "eth0"]);
+    ip(&["-n", &id, "link", "set", "lo", "down"]);
+    ramify_engine::placement::put_back_address(&placed)
+        .await
+        .unwrap();
+    let eth0 = ip(&["-n", &id, "-o", "addr", "show", "dev", "eth0"]);
+    assert!(eth0.contains(&format!("inet {}/16", addr.ip)), "{eth0}");
+    let routes = ip(&["-n", &id, "route", "show", "default"]);
+    assert!(routes.contains(&format!("via {GATEWAY}")), "{routes}");
+    let lo = ip(&["-n", &id, "-o", "link", "show", "dev", "lo"]);
+    assert!(lo.contains(",UP"), "{lo}");
+    // Twice is the same: a resume puts it back where it already is.
+    ramify_engine::placement::put_back_address(&placed)
+        .await
+        .unwrap();
+    p.release(&placed).await.unwrap();
+}
