@@ -62,15 +62,15 @@ pub fn allocatable(capacity: Requests, reserve: Requests) -> Result<Requests> {
     Ok(a)
 }
 
-/// The default of `--max-concurrent-restores`: one per core. A restore is CPU-bound
-/// while the sentry loads the image's kernel state; since restores load pages lazily
-/// and run at the node's speed (not under the sandbox's CPU limit), one per core is
-/// the fastest: on 2 cores a BranchSet of 4 from a live sandbox ran in 1028 ms with 2
-/// at once against 1356 ms with 1, from a snapshot 894 against 1299 ms
-/// (`ramify-e2e-bench --max-concurrent-restores N`, release builds, one session).
-/// The sandboxes' parent cgroup still caps their CPU at the allocatable.
+/// The default of `--max-concurrent-restores`: two per core. Restores run at the node's
+/// speed (not under the sandbox's CPU limit) and load pages lazily, and much of a
+/// restore is not on a CPU (runsc's start, the image's reads, its gofer): on 2 cores a
+/// self-fork of 4 returned in 1314 ms with 4 restores at a time against 2035 ms with 2
+/// (`self_fork_bench`, one run, debug builds), as 2 had beaten 1 before (a BranchSet of
+/// 4 from a live sandbox: 1028 against 1356 ms). The sandboxes' parent cgroup still
+/// caps their CPU at the allocatable.
 pub fn default_max_restores(capacity: &Requests) -> usize {
-    usize::try_from(capacity.cpu_millis / 1000)
+    usize::try_from(capacity.cpu_millis * 2 / 1000)
         .unwrap_or(1)
         .max(1)
 }
@@ -479,7 +479,7 @@ mod tests {
                 cpu_millis: 2000,
                 memory_bytes: 0
             }),
-            2
+            4
         );
         assert_eq!(
             default_max_restores(&Requests {
@@ -493,7 +493,7 @@ mod tests {
                 cpu_millis: 16000,
                 memory_bytes: 0
             }),
-            16
+            32
         );
     }
 

@@ -73,7 +73,7 @@ struct CapacityArgs {
     #[arg(long, value_parser = parse_memory)]
     allocatable_memory: Option<u64>,
     /// Restores (and fresh starts) run at once; the rest queue, fairly across
-    /// BranchSets. Default: one per core, at least 1.
+    /// BranchSets. Default: two per core, at least 1.
     #[arg(long, env = "RAMIFY_MAX_CONCURRENT_RESTORES")]
     max_concurrent_restores: Option<usize>,
     /// What this node's snapshot images may add up to. Images no live object needs

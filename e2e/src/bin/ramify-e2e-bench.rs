@@ -173,7 +173,7 @@ async fn main() {
     // The bench measures forks, not admission: it holds 16 branches (4 scenarios of 4)
     // plus a warm pool at once, more than this node's 1.6 CPU of sandbox allocatable
     // admits at the default 250m each. Its agent announces room for all of them.
-    // `--max-concurrent-restores N` is passed to the agent (its default: one per core).
+    // `--max-concurrent-restores N` is passed to the agent (its default: two per core).
     let restores: Option<String> = std::env::args()
         .skip_while(|a| a != "--max-concurrent-restores")
         .nth(1);
