@@ -2,12 +2,14 @@
 //! namespace with lo up, an `eth0` with a leased address and a default route through
 //! the bridge's gateway, the host end an isolated port of the bridge; the lease in the
 //! CNI host-local format; and all of it gone after the release, which a retry repeats
-//! harmlessly. As root, on the real kernel; no runsc needed.
+//! harmlessly; and, on real runsc, two sandboxes on the bridge that cannot reach each
+//! other. As root, on the real kernel.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::path::Path;
+use std::time::Duration;
 
 use common::*;
 use ramify_engine::placement::{Placed, Placement, PlacementRequest};
@@ -136,4 +138,68 @@ async fn an_address_taken_from_eth0_is_put_back() {
         .await
         .unwrap();
     p.release(&placed).await.unwrap();
+}
+
+/// Two tenants' sandboxes on one bridge, both with egress to everywhere: neither reaches
+/// the other (their bridge ports are isolated), while the node reaches both, so the
+/// silence is the isolation's. On real runsc.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_on_the_bridge_cannot_reach_each_other_even_with_egress_to_everywhere() {
+    let h = harness("neighbours").await;
+    let serve = "mkdir -p /www && echo neighbour > /www/index.html && httpd -p 8080 -h /www && \
+        while true; do sleep 1; done";
+    let everywhere = || vec!["0.0.0.0/0".parse().unwrap()];
+    let a = h.start("a", serve, everywhere()).await;
+    let b = h.start("b", serve, everywhere()).await;
+    let ip_of = |sb: &ramify_engine::engine::LocalSandbox| {
+        sb.placed.address.as_ref().unwrap().ip.to_string()
+    };
+    let (ip_a, ip_b) = (ip_of(&a), ip_of(&b));
+    // The node reaches both servers (on a retry: httpd may still be starting).
+    for ip in [&ip_a, &ip_b] {
+        let body = eventually(
+            Duration::from_secs(20),
+            "the node reaches a sandbox's server",
+            || {
+                let ip = ip.clone();
+                async move {
+                    let out = std::process::Command::new("sh")
+                    .arg("-c")
+                    .arg(format!(
+                        "printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | busybox nc -w 2 {ip} 8080"
+                    ))
+                    .output()
+                    .ok()?;
+                    let s = String::from_utf8_lossy(&out.stdout).into_owned();
+                    s.contains("neighbour").then_some(s)
+                }
+            },
+        )
+        .await;
+        assert!(body.contains("neighbour"));
+    }
+    // Neither sandbox reaches the other's, either way.
+    for (from, to) in [(&a, &ip_b), (&b, &ip_a)] {
+        let out = h
+            .engine
+            .exec(
+                from,
+                &[
+                    "/bin/sh",
+                    "-c",
+                    &format!("printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {to} 8080"),
+                ],
+            )
+            .await
+            .unwrap();
+        assert!(
+            !out.stdout_str().contains("neighbour"),
+            "{} reached the sandbox at {to}: {}",
+            from.name,
+            out.stdout_str()
+        );
+    }
+    h.destroy_clean(a).await;
+    h.destroy_clean(b).await;
+    h.finish().await;
 }
