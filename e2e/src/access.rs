@@ -226,3 +226,63 @@ impl ControlPlane {
         kubeconfig
     }
 }
+
+/// `kubectl ramify port-forward SANDBOX :PORT` as `kubeconfig`'s user, running: the
+/// child and the local port it listens on.
+pub fn port_forward(
+    kubeconfig: &Path,
+    ns: &str,
+    sandbox: &str,
+    port: u16,
+) -> (std::process::Child, u16) {
+    let mut child = Command::new(binary("kubectl-ramify").unwrap())
+        .args(["-n", ns, "port-forward", sandbox, &format!(":{port}")])
+        .env("KUBECONFIG", kubeconfig)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    // "Forwarding from 127.0.0.1:LOCAL -> PORT"
+    let local = first
+        .strip_prefix("Forwarding from 127.0.0.1:")
+        .and_then(|r| r.split_once(' '))
+        .and_then(|(p, rest)| (rest == format!("-> {port}")).then(|| p.parse().ok())?)
+        .unwrap_or_else(|| panic!("port-forward printed {first:?}"));
+    (child, local)
+}
+
+/// `GET /index.html` on `127.0.0.1:local`: the body, trimmed (or the failure).
+pub async fn get_page(local: u16) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", local))
+        .await
+        .map_err(|e| e.to_string())?;
+    s.write_all(b"GET /index.html HTTP/1.0\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut resp = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut resp))
+        .await
+        .map_err(|_| "no answer in 20 s".to_string())?
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    match text.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.") => Ok(body.trim().to_string()),
+        _ => Err(format!("not an HTTP response: {text:?}")),
+    }
+}
+
+/// Waits until `127.0.0.1:local` serves `want`.
+pub async fn serves(local: u16, want: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = get_page(local).await;
+        if got.as_deref() == Ok(want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: last answer {got:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -25,6 +25,7 @@ use ramify_crds::pod::{
 };
 use ramify_crds::{BranchSetPhase, ConditionsExt, Sandbox, SandboxPhase};
 use ramify_e2e::ControlPlane;
+use ramify_e2e::access::{port_forward, serves};
 use ramify_e2e::node::{RealNode, cgroup_roots};
 use ramify_e2e::registry::Registry;
 use ramify_e2e::system::System;
@@ -417,6 +418,18 @@ async fn a_sandbox_is_a_pod_placed_by_the_scheduler() {
         curl(&format!("http://{cluster_ip}/")).as_deref() == Some("served-by-ramify")
     })
     .await;
+    // And through `kubectl ramify port-forward`: the API server, ramify-api and the
+    // agent's endpoint into the sandbox inside its Pod, as in standalone mode.
+    let _api = bed.sys.start_api();
+    let (mut fwd, local) = port_forward(&bed.sys.cp.kubeconfig, &bed.sys.ns.name, "web", 8080);
+    serves(
+        local,
+        "served-by-ramify",
+        "port-forward to a sandbox in a Pod",
+    )
+    .await;
+    let _ = fwd.kill();
+    let _ = fwd.wait();
 
     // The node accounts the Pod's requests; the sandbox's memory is in the Pod's cgroup.
     let describe = bed
