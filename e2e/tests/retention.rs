@@ -243,7 +243,9 @@ fn ended(b: &BranchSet) -> bool {
 }
 
 /// A loop that forks all day: 200 BranchSets one after the other, against a quota of
-/// three and a half images. What nothing needs is evicted, least recently used first;
+/// 3.8 images: the two referenced ones and one more fit, two more do not, even when a
+/// later image is up to 1.4 times the first (a workspace's images grow as it runs: 340
+/// and then 444 KB in one CI run, which a quota of 3.5 could not hold). What nothing needs is evicted, least recently used first;
 /// what is referenced (a user's Snapshot, a running set's) is never evicted and stays
 /// restorable; once only referenced images are left, a new snapshot is refused.
 #[tokio::test]
@@ -258,7 +260,7 @@ async fn two_hundred_branchsets_in_a_loop_keep_the_store_under_its_quota() {
     sys.apply(&snapshot_yaml("keep"));
     let keep = snapshot_phase(&sys, "keep", SnapshotPhase::Ready).await;
     let unit = keep.status.unwrap().size_bytes.unwrap() as u64;
-    let quota = unit * 7 / 2;
+    let quota = unit * 19 / 5;
     sys.restart_agent_with("--snapshot-store-quota", &quota.to_string());
 
     // A set that runs all along: its automatic snapshot is referenced.
@@ -314,7 +316,7 @@ async fn two_hundred_branchsets_in_a_loop_keep_the_store_under_its_quota() {
         })
         .count();
     println!(
-        "{n} BranchSets in {:.0} s ({:.2} s each); store quota {quota} bytes (3.5 images of {unit}); peak {peak} bytes; {evicted} images evicted",
+        "{n} BranchSets in {:.0} s ({:.2} s each); store quota {quota} bytes (3.8 images of {unit}); peak {peak} bytes; {evicted} images evicted",
         elapsed.as_secs_f64(),
         elapsed.as_secs_f64() / n as f64
     );
