@@ -83,6 +83,15 @@ fn errno(e: &rtnetlink::Error) -> Option<Errno> {
     }
 }
 
+/// Brings link `index` up (`what` names it in an error).
+async fn set_up(h: &Handle, index: u32, what: &str) -> Result<()> {
+    h.link()
+        .change(LinkUnspec::new_with_index(index).up().build())
+        .execute()
+        .await
+        .map_err(|e| failed(&format!("bring up {what}"), e))
+}
+
 async fn index_of(h: &Handle, name: &str) -> Result<Option<u32>> {
     let mut links = h.link().get().match_name(name.to_string()).execute();
     match links.try_next().await {
@@ -130,11 +139,7 @@ impl BridgeNet {
         create_netns(&ns_path)?;
         // The sandbox's side, while this thread is in its namespace.
         let ns = connect()?;
-        ns.link()
-            .set(LinkUnspec::new_with_index(LO_INDEX).up().build())
-            .execute()
-            .await
-            .map_err(|e| failed("bring up lo", e))?;
+        set_up(&ns, LO_INDEX, "lo").await?;
         setns(&host_ns, CloneFlags::CLONE_NEWNET)
             .map_err(|e| Error::Network(format!("back to the node's network namespace: {e}")))?;
         let host = connect()?;
@@ -220,11 +225,7 @@ impl BridgeNet {
             Err(e) if errno(&e) == Some(Errno::EEXIST) => {}
             Err(e) => return Err(failed(&format!("address bridge {}", self.bridge), e)),
         }
-        h.link()
-            .change(LinkUnspec::new_with_index(index).up().build())
-            .execute()
-            .await
-            .map_err(|e| failed(&format!("bring up bridge {}", self.bridge), e))?;
+        set_up(h, index, &format!("bridge {}", self.bridge)).await?;
         forwarding_on()?;
         Ok(index)
     }
@@ -257,11 +258,7 @@ impl BridgeNet {
 /// eth0 up with `a`'s address and a default route through its gateway; replaced if
 /// there (a restore into the same namespace finds them gone or still there).
 async fn configure_eth0(ns: &Handle, eth0: u32, a: &Address) -> Result<()> {
-    ns.link()
-        .change(LinkUnspec::new_with_index(eth0).up().build())
-        .execute()
-        .await
-        .map_err(|e| failed("bring up eth0", e))?;
+    set_up(ns, eth0, "eth0").await?;
     ns.address()
         .add(eth0, IpAddr::V4(a.ip), a.prefix)
         .replace()
@@ -293,11 +290,7 @@ pub(crate) async fn restore_address(ns: &Path, a: &Address) -> Result<()> {
         setns(&f, CloneFlags::CLONE_NEWNET)
             .map_err(|e| Error::Network(format!("enter {}: {e}", ns.display())))?;
         let h = connect()?;
-        h.link()
-            .change(LinkUnspec::new_with_index(LO_INDEX).up().build())
-            .execute()
-            .await
-            .map_err(|e| failed("bring up lo", e))?;
+        set_up(&h, LO_INDEX, "lo").await?;
         let eth0 = index_of(&h, "eth0")
             .await?
             .ok_or_else(|| Error::Network(format!("no eth0 in {}", ns.display())))?;

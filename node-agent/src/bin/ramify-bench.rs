@@ -146,6 +146,12 @@ mod throttle;
 
 const PREFIX: &str = "ramify-bench-";
 
+/// The median of `v` (zero for none).
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }

@@ -17,14 +17,9 @@ use ramify_engine::placement::{
     Address, Placed, Placement, PlacementRequest, Standalone, netns_path,
 };
 
-use super::{PREFIX, ms};
+use super::{PREFIX, median, ms};
 
 const CNI: &str = "/usr/lib/cni";
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v.get(v.len() / 2).copied().unwrap_or_default()
-}
 
 pub struct NetworkBench<'a> {
     pub placement: &'a Standalone,

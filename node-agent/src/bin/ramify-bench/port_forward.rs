@@ -14,12 +14,7 @@ use ramify_engine::cmd::Cmd;
 use ramify_engine::engine::{Engine, LocalSandbox};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::{ms, start_workload, workload};
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v.get(v.len() / 2).copied().unwrap_or_default()
-}
+use super::{median, ms, start_workload, workload};
 
 /// A GET of `path` over `conn`; the body's length.
 async fn get<S: AsyncRead + AsyncWrite + Unpin>(conn: &mut S, path: &str) -> Result<usize> {

@@ -5,17 +5,12 @@
 //! The largest limit in the same run is the baseline the small ones are held to.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Result;
 use ramify_engine::engine::{Engine, ForkOptions};
 
-use super::{ms, start_workload, workload};
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v.get(v.len() / 2).copied().unwrap_or_default()
-}
+use super::{median, ms, start_workload, workload};
 
 pub async fn run(engine: &Engine, rootfs: &Path, cpus: &[u64], runs: usize) -> Result<()> {
     println!();
