@@ -75,6 +75,10 @@ pub(crate) fn bridge_rules() -> Vec<String> {
 }
 
 /// iptables rules that concern `bridge` or addresses starting with `subnet_prefix`.
+/// What a node agent logs for each rule its sweep removed ([`ramify_engine`]'s
+/// `Engine::sweep_stale`).
+pub(crate) const SWEPT: &str = "removed what a sandbox gone from this node left behind";
+
 pub(crate) fn rules_matching(bridge: &str, subnet_prefix: &str) -> Vec<String> {
     let out = Command::new("iptables")
         .args(["-w", "5", "-S"])

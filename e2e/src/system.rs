@@ -818,11 +818,22 @@ spec:
                     leftovers.push(format!("{}: cgroup {}", n.name, d.display()));
                 }
             }
+            let log = n.agent.log_text();
             leftovers.extend(
                 rules_matching(&n.bridge, &n.subnet_prefix)
                     .into_iter()
-                    .map(|r| format!("{}: iptables rule {r}", n.name)),
+                    .map(|r| {
+                        format!(
+                            "{}: iptables rule {r}{}",
+                            n.name,
+                            what_the_log_says(&r, &log)
+                        )
+                    }),
             );
+            // Rules the agent's own sweep removed: a teardown had left them.
+            for l in log.lines().filter(|l| l.contains(crate::leftovers::SWEPT)) {
+                println!("note: {}: {}", n.name, strip_ansi(l));
+            }
         }
         leftovers.extend(
             bridge_rules()
@@ -839,6 +850,44 @@ spec:
         self.agent.kill().unwrap();
         remove_cgroup_parents(&format!("{}{}", lane::cgroup_prefix(), self.suffix));
     }
+}
+
+/// What an agent's log says of the sandbox a leftover rule is tagged with (the lines
+/// naming it, last few), so that a CI summary, which keeps only the first lines of a
+/// failure, says where the rule came from.
+fn what_the_log_says(rule: &str, log: &str) -> String {
+    let Some(id) = rule
+        .split("ramify:")
+        .nth(1)
+        .and_then(|t| t.split(|c: char| c == '"' || c.is_whitespace()).next())
+        .filter(|id| !id.is_empty())
+    else {
+        return String::new();
+    };
+    let lines: Vec<String> = log
+        .lines()
+        .filter(|l| l.contains(id))
+        .map(|l| strip_ansi(l).chars().take(240).collect())
+        .collect();
+    let last = &lines[lines.len().saturating_sub(4)..];
+    format!(" (its agent's log on {id}: {})", last.join(" / "))
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Builds the busybox root filesystem at `out` (`ramify-node-agent rootfs`), as an

@@ -499,8 +499,6 @@ fn scheduled(s: &Sandbox) -> (String, String) {
 async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_the_object_store() {
     let _serial = SERIAL.lock().await;
     let (mut sys, store, n1) = two_nodes_with_store("suspend-move").await;
-    let (home, home_state) = (sys.node().to_string(), sys.state_dir.clone());
-    let n1_state = sys.nodes[0].state_dir.clone();
     let remote = store.client();
     sys.apply(&sys.sandbox_yaml("ws", COUNTER, "500m", "256Mi"));
     let ws = sys
@@ -508,8 +506,20 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
             phase(s) == Some(SandboxPhase::Running)
         })
         .await;
+    // Both nodes are empty: the first by name, unless the operator saw only the other
+    // live at that moment (a loaded machine). The one it runs on is the one that goes.
     let started_on = ws.status.unwrap().node_name.unwrap();
-    assert_eq!(started_on, home, "the freest node, first by name");
+    let on_main = started_on == sys.node();
+    let ((home, home_state), (other, other_state)) = {
+        let main = (sys.node().to_string(), sys.state_dir.clone());
+        let second = (n1.clone(), sys.nodes[0].state_dir.clone());
+        if on_main {
+            (main, second)
+        } else {
+            assert_eq!(started_on, n1);
+            (second, main)
+        }
+    };
     let before = wait_counter_at_least(&sys, "ws", 20).await;
     set_suspended(&sys, "ws", true).await;
     let susp = wait_suspended_remote(&sys, "ws").await;
@@ -517,25 +527,25 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
     assert!(remote.has_image(&susp.sha256).await.unwrap());
 
     // Its node goes: the agent SIGKILLed and the node's copy of the image lost.
-    sys.agent.kill().unwrap();
+    agent_of(&mut sys, on_main).kill().unwrap();
     std::fs::remove_dir_all(home_state.join("engine/snapshots").join(&susp.image)).unwrap();
     set_suspended(&sys, "ws", false).await;
     // A lease of 15 s runs out first.
     let why = format!("the node agent of {home} is not running");
-    moved_to(&sys, &n1, &why, Instant::now()).await;
+    moved_to(&sys, &other, &why, Instant::now()).await;
     sys.event("ws", "Downloaded").await;
     // Where it left off: its memory (the shell's counter) and its files.
-    let after = wait_counter_on(&sys, &n1_state, "ws", before).await;
-    println!("counter {before} before the suspend, {after} on {n1}");
+    let after = wait_counter_on(&sys, &other_state, "ws", before).await;
+    println!("counter {before} before the suspend, {after} on {other}");
     assert_eq!(
-        sys.exec_on(&n1_state, "ws", "cat /work/app.conf").1,
+        sys.exec_on(&other_state, "ws", "cat /work/app.conf").1,
         "mode=slow"
     );
-    let count = wait_counter_on(&sys, &n1_state, "ws", after + 5).await;
+    let count = wait_counter_on(&sys, &other_state, "ws", after + 5).await;
     // Resumed: the object store's copy goes.
     store_drops(&remote, &susp.sha256).await;
     // The first node comes back and lets go of what it kept of the sandbox.
-    sys.agent.start().unwrap();
+    agent_of(&mut sys, on_main).start().unwrap();
     node_clean(
         &sys,
         &home_state,
@@ -544,29 +554,44 @@ async fn a_suspended_workspace_whose_node_is_gone_resumes_on_another_node_from_t
     )
     .await;
 
-    // Suspended again on n1, which then fills up: resuming moves it back.
+    // Suspended again on the other node, which then fills up: resuming moves it back.
     set_suspended(&sys, "ws", true).await;
     let susp = wait_suspended_remote(&sys, "ws").await;
-    assert_eq!(susp.node, n1);
+    assert_eq!(susp.node, other);
     sys.apply(
         &sys.sandbox_yaml("hog", "while true; do sleep 1; done", "1200m", "128Mi")
-            .replace("spec:\n", &format!("spec:\n  nodeName: {n1}\n")),
+            .replace("spec:\n", &format!("spec:\n  nodeName: {other}\n")),
     );
     sys.wait_sandbox("hog", "Running", 120, |s| {
         phase(s) == Some(SandboxPhase::Running)
     })
     .await;
     set_suspended(&sys, "ws", false).await;
-    let why = format!("node {n1} has no room for it");
+    let why = format!("node {other} has no room for it");
     moved_to(&sys, &home, &why, Instant::now()).await;
     let back = wait_counter_on(&sys, &home_state, "ws", count).await;
-    println!("counter {count} when suspended on {n1}, {back} back on {home}");
-    // n1 let go of its copy while its agent ran on; the store's copy went.
+    println!("counter {count} when suspended on {other}, {back} back on {home}");
+    // The other node let go of its copy while its agent ran on; the store's copy went.
     let hog = sys.sandboxes().get("hog").await.unwrap();
     let hog_id = hog.status.unwrap().sandbox_id.unwrap();
-    node_clean(&sys, &n1_state, Some(&hog_id), "n1 after the move").await;
+    node_clean(
+        &sys,
+        &other_state,
+        Some(&hog_id),
+        "the other node after the move",
+    )
+    .await;
     store_drops(&remote, &susp.sha256).await;
     sys.teardown_and_check_clean().await;
+}
+
+/// The agent of the system's main node (`main`) or of its second node.
+fn agent_of(sys: &mut System, main: bool) -> &mut ramify_e2e::Component {
+    if main {
+        &mut sys.agent
+    } else {
+        &mut sys.nodes[0].agent
+    }
 }
 
 #[tokio::test]

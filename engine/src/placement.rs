@@ -112,6 +112,13 @@ pub trait Placement: Send + Sync + Debug {
     fn release<'a>(&'a self, placed: &'a Placed) -> BoxFuture<'a, Result<()>>;
     /// Cgroup path prefix under which sandboxes live (for cleanup checks).
     fn cgroup_parent(&self) -> &str;
+    /// Removes what this placement made on the host for sandboxes `held` does not
+    /// know (a teardown that failed for good, a crash in between) and returns it.
+    /// By default nothing: a Pod's network is the kubelet's.
+    fn sweep_stale<'a>(&'a self, held: &'a Held<'a>) -> BoxFuture<'a, Result<Vec<String>>> {
+        let _ = held;
+        Box::pin(async { Ok(Vec::new()) })
+    }
     /// Cluster mode: the file in `pod`'s volume the sandbox's console goes to
     /// ([`crate::pod_files::link_console`]); `None` keeps it in the sandbox's directory.
     fn pod_console(&self, pod: &PodPlaced) -> Option<PathBuf> {
@@ -119,6 +126,9 @@ pub trait Placement: Send + Sync + Debug {
         None
     }
 }
+
+/// Whether a sandbox id is one the engine still holds (its directory exists).
+pub type Held<'a> = dyn Fn(&str) -> bool + Send + Sync + 'a;
 
 /// Standalone placement settings.
 #[derive(Debug, Clone)]
@@ -137,6 +147,7 @@ pub struct StandaloneConfig {
 pub struct Standalone {
     cfg: StandaloneConfig,
     net: netlink::BridgeNet,
+    subnet: Cidr,
 }
 
 /// The command that deletes a rule as `iptables -S` lists it (`-A CHAIN spec...`);
@@ -228,7 +239,7 @@ impl Standalone {
             bridge: cfg.bridge.clone(),
             leases: ipam::Leases::new(&cfg.ipam_dir, &name, subnet)?,
         };
-        Ok(Standalone { cfg, net })
+        Ok(Standalone { cfg, net, subnet })
     }
 
     async fn place_inner(&self, req: &PlacementRequest, placed: &mut Placed) -> Result<()> {
@@ -324,6 +335,55 @@ impl Placement for Standalone {
 
     fn cgroup_parent(&self) -> &str {
         &self.cfg.cgroup_parent
+    }
+
+    /// The egress rules on this agent's bridge and subnet whose sandbox is gone. A
+    /// sandbox's directory is made before it is placed and removed after its release,
+    /// so an id without one has nothing in flight: its rules only ever outlive it.
+    #[instrument(skip_all)]
+    fn sweep_stale<'a>(&'a self, held: &'a Held<'a>) -> BoxFuture<'a, Result<Vec<String>>> {
+        Box::pin(async move {
+            let listing = egress::ipt().arg("-S").run().await?;
+            let listing = listing.stdout_str();
+            let stale = egress::stale_rules(&listing, &self.cfg.bridge, self.subnet, held);
+            let mut removed = Vec::new();
+            let mut first = FirstError::default();
+            for rule in stale {
+                if let Some(delete) = delete_listed_rule(&rule.line) {
+                    match delete.run().await {
+                        Ok(_) => removed.push(format!("iptables rule {}", rule.line)),
+                        // Its teardown, late, removed it first.
+                        Err(e) if !still_listed(&rule.line).await => {
+                            tracing::debug!(error = %e, "a stale rule went meanwhile");
+                        }
+                        Err(e) => first.note(Err(e)),
+                    }
+                }
+                if let Some(chain) = rule.chain
+                    && listing.lines().any(|l| l == format!("-N {chain}"))
+                {
+                    for op in ["-F", "-X"] {
+                        first.note(
+                            egress::ipt()
+                                .args([op, chain.as_str()])
+                                .run()
+                                .await
+                                .map(|_| ()),
+                        );
+                    }
+                    removed.push(format!("iptables chain {chain}"));
+                }
+            }
+            first.result().map(|()| removed)
+        })
+    }
+}
+
+/// Whether `iptables -S` still lists `line`.
+async fn still_listed(line: &str) -> bool {
+    match egress::ipt().arg("-S").run().await {
+        Ok(o) => o.stdout_str().lines().any(|l| l == line),
+        Err(_) => true,
     }
 }
 

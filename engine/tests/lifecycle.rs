@@ -475,19 +475,6 @@ fn placement_id() -> String {
     )
 }
 
-fn iptables_lines_mentioning(needles: &[&str]) -> Vec<String> {
-    let out = std::process::Command::new("iptables")
-        .args(["-w", "5", "-S"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| needles.iter().any(|n| l.contains(n)))
-        .map(str::to_string)
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orphan_sweep_removes_every_rule_of_a_dead_owners_placement() {
     use ramify_engine::placement::{Placement, PlacementRequest, chain_name};

@@ -114,6 +114,73 @@ async fn a_placement_is_a_namespace_on_the_bridge_and_its_release_leaves_nothing
     }
 }
 
+/// Egress rules whose sandbox is gone (a teardown that failed for good) are found by
+/// the sweep and removed with their chain; a held sandbox's, and rules of another
+/// network on the host, stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_removes_the_rules_of_a_sandbox_that_is_gone_and_only_those() {
+    let p = standalone();
+    let (gone, live) = (id(), id());
+    let (pg, pl) = tokio::join!(place(&p, &gone), place(&p, &live));
+    // Another agent's rule on the same host (another bridge), with nothing held.
+    let other = format!("ramify:{}", id());
+    let foreign = [
+        "INPUT",
+        "-i",
+        "rmyother9",
+        "-m",
+        "comment",
+        "--comment",
+        &other,
+        "-j",
+        "DROP",
+    ];
+    let ipt = |op: &str, rule: &[&str]| {
+        let out = std::process::Command::new("iptables")
+            .args(["-w", "5", op])
+            .args(rule)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "iptables {op} {rule:?}: {out:?}");
+    };
+    ipt("-A", &foreign);
+    let chain = pg.chain.clone().unwrap();
+    assert_eq!(iptables_lines_mentioning(&[&gone]).len(), 2);
+
+    let held = |id: &str| id == live;
+    let removed = p.sweep_stale(&held).await.unwrap();
+    assert!(
+        iptables_lines_mentioning(&[&gone]).is_empty(),
+        "left: {:?}",
+        iptables_lines_mentioning(&[&gone])
+    );
+    assert!(
+        !iptables_lines_mentioning(&[&chain])
+            .iter()
+            .any(|l| l.starts_with("-N ")),
+        "chain {chain} left"
+    );
+    assert_eq!(removed.len(), 3, "two jumps and the chain: {removed:?}");
+    assert_eq!(
+        iptables_lines_mentioning(&[&live]).len(),
+        2,
+        "the live one's rules"
+    );
+    assert_eq!(
+        iptables_lines_mentioning(&[&other]).len(),
+        1,
+        "another network's rule"
+    );
+    // Once more: nothing left to do.
+    assert!(p.sweep_stale(&held).await.unwrap().is_empty());
+
+    ipt("-D", &foreign);
+    p.release(&pl).await.unwrap();
+    // Its own release finds the rules gone and does the rest.
+    p.release(&pg).await.unwrap();
+    assert!(iptables_lines_mentioning(&[&gone, &live]).is_empty());
+}
+
 /// The address put back into a namespace whose eth0 lost it (runsc moves eth0's
 /// addresses into its netstack; a restore into the same namespace needs them again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

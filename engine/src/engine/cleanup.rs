@@ -39,6 +39,41 @@ impl Engine {
             .inc();
     }
 
+    /// Removes what the placement left on the host of sandboxes this engine no longer
+    /// holds ([`crate::placement::Placement::sweep_stale`]): a teardown should have,
+    /// so each is logged and counted (`step="stale network rule"`). Returns it.
+    pub async fn sweep_stale(&self) -> Vec<String> {
+        let dir = self.inner.cfg.state_dir.join("sandboxes");
+        // An id that is not a plain name is never ours to judge: kept.
+        let held = move |id: &str| {
+            !id.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+                || dir.join(id).exists()
+        };
+        match self.inner.placement.sweep_stale(&held).await {
+            Ok(removed) => {
+                for r in &removed {
+                    warn!(removed = %r, "removed what a sandbox gone from this node left behind");
+                    self.count_cleanup_failure("stale network rule", "leaked");
+                }
+                removed
+            }
+            Err(e) => {
+                warn!(error = %e, "removing what gone sandboxes left behind failed");
+                self.count_cleanup_failure("sweep stale network rules", e.category());
+                Vec::new()
+            }
+        }
+    }
+
+    /// [`Engine::sweep_stale`] now and every `every` after.
+    pub async fn sweep_stale_every(&self, every: Duration) {
+        loop {
+            self.sweep_stale().await;
+            tokio::time::sleep(every).await;
+        }
+    }
+
     /// Destroys a sandbox on an error path: retried, and a failure that outlasts the
     /// retries is logged (with `why` it was destroyed) and counted. Returns it for a
     /// caller that reports further.

@@ -163,6 +163,67 @@ pub async fn remove(placed: &Placed, guard: &HostGuard) -> Result<()> {
     first.result()
 }
 
+/// A rule of ours that outlived its sandbox, as `iptables -S` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stale {
+    pub line: String,
+    /// The sandbox id in its tag.
+    pub id: String,
+    /// The chain it jumps to, if one of ours (removed after the jump).
+    pub chain: Option<String>,
+}
+
+/// The rules in `listing` (`iptables -S`) that belong to the standalone network on
+/// `bridge` and `subnet` (INPUT keyed on the bridge, FORWARD on a source address in the
+/// subnet) and are tagged with a sandbox id that `held` does not know. Another agent's
+/// network on the same host (another bridge and subnet) is never matched.
+pub(crate) fn stale_rules(
+    listing: &str,
+    bridge: &str,
+    subnet: Cidr,
+    held: &dyn Fn(&str) -> bool,
+) -> Vec<Stale> {
+    let in_subnet = |ip: Ipv4Addr| {
+        let mask = u32::MAX
+            .checked_shl(32 - u32::from(subnet.prefix))
+            .unwrap_or(0);
+        u32::from(ip) & mask == u32::from(subnet.addr) & mask
+    };
+    let mut out = Vec::new();
+    for line in listing.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let after = |flag: &str| {
+            words
+                .iter()
+                .position(|w| *w == flag)
+                .and_then(|i| words.get(i + 1))
+                .map(|w| w.trim_matches('"'))
+        };
+        let Some(id) = after("--comment").and_then(|c| c.strip_prefix("ramify:")) else {
+            continue;
+        };
+        let ours = match words.get(1) {
+            Some(&"INPUT") => after("-i") == Some(bridge),
+            Some(&"FORWARD") => after("-s")
+                .and_then(|s| s.strip_suffix("/32"))
+                .and_then(|s| s.parse().ok())
+                .is_some_and(in_subnet),
+            _ => false,
+        };
+        if !line.starts_with("-A ") || !ours || id.is_empty() || held(id) {
+            continue;
+        }
+        out.push(Stale {
+            line: line.to_string(),
+            id: id.to_string(),
+            chain: after("-j")
+                .filter(|c| c.starts_with("RAMIFY-"))
+                .map(str::to_string),
+        });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,5 +279,49 @@ mod tests {
             assert_eq!(ins, del);
         }
         assert_eq!(removed[2..], [format!("-F {chain}"), format!("-X {chain}")]);
+    }
+
+    /// As `iptables -S` listed what two agents on one host left (the CI failure this
+    /// sweep answers): ours on `rmy1` / 10.111.0.0/16, the other agent's on `rmy0`.
+    const LISTING: &str = r#"-P INPUT ACCEPT
+-N RAMIFY-f5435f094a0e
+-N RAMIFY-aaaaaaaaaaaa
+-A INPUT -i rmy1 -m comment --comment "ramify:ramify-node-gone" -m conntrack ! --ctstate RELATED,ESTABLISHED -j DROP
+-A INPUT -i rmy1 -m comment --comment "ramify:ramify-node-live" -m conntrack ! --ctstate RELATED,ESTABLISHED -j DROP
+-A INPUT -i rmy0 -m comment --comment "ramify:ramify-node-other" -m conntrack ! --ctstate RELATED,ESTABLISHED -j DROP
+-A INPUT -i rmy1 -j ACCEPT
+-A FORWARD -s 10.111.0.2/32 -m comment --comment "ramify:ramify-node-gone" -j RAMIFY-f5435f094a0e
+-A FORWARD -s 10.111.0.3/32 -m comment --comment "ramify:ramify-node-live" -j RAMIFY-aaaaaaaaaaaa
+-A FORWARD -s 10.110.0.2/32 -m comment --comment "ramify:ramify-node-other" -j RAMIFY-bbbbbbbbbbbb
+-A RAMIFY-f5435f094a0e -j DROP"#;
+
+    #[test]
+    fn stale_rules_are_those_of_this_network_whose_sandbox_is_gone() {
+        let subnet = Cidr {
+            addr: Ipv4Addr::new(10, 111, 0, 0),
+            prefix: 16,
+        };
+        let held = |id: &str| id == "ramify-node-live";
+        let stale = stale_rules(LISTING, "rmy1", subnet, &held);
+        assert_eq!(stale.len(), 2, "{stale:#?}");
+        assert!(stale.iter().all(|s| s.id == "ramify-node-gone"));
+        assert_eq!(
+            stale[0].chain, None,
+            "INPUT jumps to DROP, no chain of ours"
+        );
+        assert_eq!(stale[1].chain.as_deref(), Some("RAMIFY-f5435f094a0e"));
+        assert!(stale[1].line.starts_with("-A FORWARD -s 10.111.0.2/32"));
+        // The other agent's rules (other bridge, other subnet) are never touched,
+        // nor are untagged rules, even with nothing held.
+        let none = |_: &str| false;
+        let all = stale_rules(LISTING, "rmy1", subnet, &none);
+        assert_eq!(all.len(), 4);
+        assert!(all.iter().all(|s| !s.line.contains("other")));
+        // A bridge named as a prefix of ours is another bridge.
+        assert!(
+            stale_rules(LISTING, "rmy", subnet, &none)
+                .iter()
+                .all(|s| s.line.starts_with("-A FORWARD"))
+        );
     }
 }

@@ -215,6 +215,20 @@ pub fn current_runsc() -> PathBuf {
 }
 
 /// Polls `cond` every 100 ms until it holds; panics with `what` after `secs`.
+/// The lines of `iptables -S` that mention any of `needles`.
+pub fn iptables_lines_mentioning(needles: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new("iptables")
+        .args(["-w", "5", "-S"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| needles.iter().any(|n| l.contains(n)))
+        .map(str::to_string)
+        .collect()
+}
+
 pub async fn poll_until(what: &str, secs: u64, mut cond: impl AsyncFnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(secs);
     while !cond().await {

@@ -76,6 +76,10 @@ use metrics::AgentMetrics;
 use ramify_engine::engine::{Engine, LocalSandbox, WarmPool};
 use registry::Registry;
 
+/// How often the host is checked for network rules that outlived their sandbox
+/// ([`Engine::sweep_stale`]); also once at start and once at stop.
+const STALE_SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Agent settings.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -489,6 +493,10 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     let usage = tokio::spawn(agent.clone().report_usage());
     let console_times = tokio::spawn(agent.clone().time_console_logs());
     let wakes = tokio::spawn(agent.clone().forward_wakes());
+    let stale = tokio::spawn({
+        let engine = agent.engine.clone();
+        async move { engine.sweep_stale_every(STALE_SWEEP_EVERY).await }
+    });
     if agent.cfg.mode == ramify_crds::pod::Mode::Cluster {
         tokio::spawn(agent.clone().heartbeat_pods());
     }
@@ -503,5 +511,9 @@ pub async fn run(agent: Arc<Agent>) -> Result<()> {
     usage.abort();
     console_times.abort();
     wakes.abort();
+    stale.abort();
+    // Nothing runs for a sandbox any more: a rule that outlived its sandbox goes now,
+    // not with the next agent.
+    agent.engine.sweep_stale().await;
     Ok(())
 }
