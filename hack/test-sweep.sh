@@ -27,6 +27,17 @@ for hier in /sys/fs/cgroup /sys/fs/cgroup/*/; do
     find "$c" -depth -type d -exec rmdir {} + 2>/dev/null && echo "sweep: cgroup $c"
   done
 done
+# Rules of sandboxes on the lanes' bridges whose state went with a clone of another run
+# killed half-way (its agents' cleanup above never saw them): each tag's INPUT rule, its
+# FORWARD twin and its chain.
+iptables -w 5 -S 2>/dev/null | grep -E -- '-i rmye2e[0-9a-z]* .*--comment "ramify:' |
+  sed -E 's/.*--comment "(ramify:[^"]*)".*/\1/' | sort -u | while read -r tag; do
+  iptables -w 5 -S | grep -F -- "--comment \"$tag\"" | while read -r line; do
+    chain="$(sed -nE 's/.* -j (RAMIFY-[0-9a-f]+).*/\1/p' <<<"$line")"
+    eval "iptables -w 5 -D ${line#-A }" && echo "sweep: iptables rule $line"
+    [[ -z "$chain" ]] || { iptables -w 5 -F "$chain" && iptables -w 5 -X "$chain"; } 2>/dev/null
+  done
+done
 for link in /sys/class/net/rmye2e*; do
   ip link del "${link##*/}" 2>/dev/null && echo "sweep: bridge ${link##*/}"
 done

@@ -74,11 +74,65 @@ pub(crate) fn bridge_rules() -> Vec<String> {
     rules_matching(&crate::lane::bridge(), &crate::lane::subnet_prefix())
 }
 
-/// iptables rules that concern `bridge` or addresses starting with `subnet_prefix`.
 /// What a node agent logs for each rule its sweep removed ([`ramify_engine`]'s
 /// `Engine::sweep_stale`).
 pub(crate) const SWEPT: &str = "removed what a sandbox gone from this node left behind";
 
+/// Removes the tagged rules (and their chains) on `bridge` and `subnet_prefix` that a
+/// run killed half-way left (a lane's bridges and subnets are its own, so whatever is on
+/// them before its system starts is stale), and says so: a later test must not be
+/// blamed for them. Every rule sharing a tag goes, whichever hook it is on.
+pub(crate) fn sweep_stale_rules(bridge: &str, subnet_prefix: &str) {
+    let tags: Vec<String> = rules_matching(bridge, subnet_prefix)
+        .iter()
+        .filter_map(|r| r.split("--comment ").nth(1))
+        .filter_map(|c| c.split_whitespace().next())
+        .filter(|t| t.trim_matches('"').starts_with("ramify:"))
+        .map(str::to_string)
+        .collect();
+    if tags.is_empty() {
+        return;
+    }
+    let out = Command::new("iptables")
+        .args(["-w", "5", "-S"])
+        .output()
+        .expect("iptables");
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(rule) = line.strip_prefix("-A ") else {
+            continue;
+        };
+        if !tags
+            .iter()
+            .any(|t| line.contains(&format!("--comment {t} ")))
+        {
+            continue;
+        }
+        let words: Vec<&str> = rule
+            .split_whitespace()
+            .map(|w| w.trim_matches('"'))
+            .collect();
+        let deleted = Command::new("iptables")
+            .args(["-w", "5", "-D"])
+            .args(&words)
+            .status()
+            .is_ok_and(|s| s.success());
+        println!("e2e: a rule an earlier run left on {bridge}: {line} (removed: {deleted})");
+        if let Some(chain) = words
+            .iter()
+            .skip_while(|w| **w != "-j")
+            .nth(1)
+            .filter(|c| c.starts_with("RAMIFY-"))
+        {
+            for op in ["-F", "-X"] {
+                let _ = Command::new("iptables")
+                    .args(["-w", "5", op, chain])
+                    .status();
+            }
+        }
+    }
+}
+
+/// iptables rules that concern `bridge` or addresses starting with `subnet_prefix`.
 pub(crate) fn rules_matching(bridge: &str, subnet_prefix: &str) -> Vec<String> {
     let out = Command::new("iptables")
         .args(["-w", "5", "-S"])

@@ -12,7 +12,9 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::wait::await_condition;
 use ramify_crds::{BranchSet, LABEL_BRANCHSET, RootfsClass, Sandbox, SandboxPhase};
 
-use crate::leftovers::{bridge_rules, cgroup_roots, remove_cgroup_parents, rules_matching};
+use crate::leftovers::{
+    bridge_rules, cgroup_roots, remove_cgroup_parents, rules_matching, sweep_stale_rules,
+};
 pub use crate::leftovers::{ip_leases, node_leftovers, node_leftovers_except, open_to_others};
 use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, lane, repo_root};
 
@@ -279,6 +281,7 @@ impl System {
         if let Ok(p) = std::env::var("RAMIFY_E2E_PLATFORM") {
             agent.set_flag("--platform", &p);
         }
+        sweep_stale_rules(&lane::bridge(), &lane::subnet_prefix());
         let iptables_before = bridge_rules();
         operator.start().unwrap();
         agent.start().unwrap();
@@ -333,6 +336,7 @@ impl System {
                 .to_string_lossy(),
         );
         agent.add_arg("--release-node-on-exit");
+        sweep_stale_rules(&bridge, &subnet_prefix);
         agent.start().unwrap();
         self.nodes.push(ExtraNode {
             name,
