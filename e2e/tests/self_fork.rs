@@ -428,10 +428,10 @@ async fn stamp(sys: &System, name: &str, path: &str) -> f64 {
     }
 }
 
-/// The latest time the four branches `b0`..`b3` of `set` wrote to `path`.
-async fn last_stamp(sys: &System, set: &str, path: &str) -> f64 {
+/// The latest time the `n` branches `b0`.. of `set` wrote to `path`.
+async fn last_stamp(sys: &System, set: &str, path: &str, n: usize) -> f64 {
     let mut last = 0f64;
-    for i in 0..4 {
+    for i in 0..n {
         let b = ramify_crds::branch_sandbox_name(set, &format!("b{i}"));
         last = last.max(stamp(sys, &b, path).await);
     }
@@ -444,7 +444,9 @@ async fn last_stamp(sys: &System, set: &str, path: &str) -> f64 {
 /// way (the agent restarted with `--self-fork-ahead false`: the set's Snapshot captures,
 /// each branch object restores), against the same fork of the same workload through a
 /// BranchSet applied from outside until each branch's command ran. All read the time
-/// inside the sandboxes.
+/// inside the sandboxes. A self-fork of 3 the same way, and beside both the baseline in
+/// the same run: one checkpoint and 3 (4) parallel restores by hand with plain runsc
+/// (`ramify-bench --scenarios plain-fork`), with the ratio to it.
 #[tokio::test]
 #[ignore = "a benchmark: run with --ignored to print the figures"]
 async fn self_fork_bench() {
@@ -452,13 +454,14 @@ async fn self_fork_bench() {
     let mut sys = System::start("selffork-bench").await;
     let runs = ramify_e2e::bench_runs(5);
     let (mut ahead, mut usual, mut outside) = (Vec::new(), Vec::new(), Vec::new());
-    let mut all_at_once = Vec::new();
+    let (mut all_at_once, mut three) = (Vec::new(), Vec::new());
     for run in 0..runs {
-        ahead.push(self_fork_once(&sys, &format!("ahead{run}")).await);
+        ahead.push(self_fork_once(&sys, &format!("ahead{run}"), 4).await);
+        three.push(self_fork_once(&sys, &format!("three{run}"), 3).await);
     }
     sys.restart_agent_with("--self-fork-ahead", "false");
     for run in 0..runs {
-        usual.push(self_fork_once(&sys, &format!("usual{run}")).await);
+        usual.push(self_fork_once(&sys, &format!("usual{run}"), 4).await);
         outside.push(outside_fork_once(&sys, &format!("out{run}")).await);
     }
     // Local first again, with 4 restores at a time (the default: two per core, so 4
@@ -466,7 +469,7 @@ async fn self_fork_bench() {
     sys.restart_agent_with("--self-fork-ahead", "true");
     sys.restart_agent_with("--max-concurrent-restores", "4");
     for run in 0..runs {
-        all_at_once.push(self_fork_once(&sys, &format!("once{run}")).await);
+        all_at_once.push(self_fork_once(&sys, &format!("once{run}"), 4).await);
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -481,14 +484,23 @@ async fn self_fork_bench() {
             v.len()
         );
     };
+    // The baseline, in this run: the same fork by hand with plain runsc.
+    let plain = plain_fork_baseline(runs);
+    show(
+        "self-fork of 3 from inside, local first (captured when read, branches restored ahead), request to every branch's return",
+        &mut three,
+    );
+    ratio(3, median(&mut three), &plain);
     show(
         "self-fork of 4 from inside, local first (captured when read, branches restored ahead), request to every branch's return",
         &mut ahead,
     );
+    ratio(4, median(&mut ahead), &plain);
     show(
         "the same, local first with --max-concurrent-restores 4",
         &mut all_at_once,
     );
+    ratio(4, median(&mut all_at_once), &plain);
     show(
         "the same self-fork the usual way (--self-fork-ahead false: the Snapshot object captures, each branch object restores)",
         &mut usual,
@@ -500,14 +512,62 @@ async fn self_fork_bench() {
     sys.teardown_and_check_clean().await;
 }
 
-/// One self-fork of 4 of a fresh workload `name`: milliseconds from just before the
+/// `ramify-bench --scenarios plain-fork` in this run: one checkpoint of a running
+/// busybox sandbox and 3 (and 4) restores of it in parallel, by hand with the same
+/// runsc; its table is printed as it comes.
+fn plain_fork_baseline(runs: usize) -> String {
+    let bench = ramify_e2e::binary("ramify-bench").unwrap_or_else(|e| panic!("{e}"));
+    let out = std::process::Command::new(bench)
+        .arg("--runsc")
+        .arg(ramify_e2e::system::runsc())
+        .args([
+            "--scenarios",
+            "plain-fork",
+            "--forks",
+            "3,4",
+            "--plain-runs",
+        ])
+        .arg(runs.to_string())
+        .output()
+        .expect("ramify-bench");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "ramify-bench --scenarios plain-fork: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{}", text.trim());
+    text
+}
+
+/// Prints `ms` against the plain fork of `n` in `plain` (the baseline's table).
+fn ratio(n: usize, ms: f64, plain: &str) {
+    let base = plain
+        .lines()
+        .find(|l| l.starts_with(&format!("| {n} | ")))
+        .and_then(|row| row.split('|').nth(2))
+        .and_then(|c| c.trim().strip_suffix(" ms"))
+        .and_then(|c| c.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no plain fork of {n} in:\n{plain}"));
+    println!(
+        "  = {:.2}x the plain fork of {n} by hand in this run ({base:.0} ms)",
+        ms / base
+    );
+}
+
+/// One self-fork of `n` of a fresh workload `name`: milliseconds from just before the
 /// request to the last branch's return, both read inside.
-async fn self_fork_once(sys: &System, name: &str) -> f64 {
+async fn self_fork_once(sys: &System, name: &str, n: usize) -> f64 {
     let script = workload(&format!(
-        "{NOW}; usleep 300000; t0=$(now); r=$(fork '{{\"count\": 4}}'); t1=$(now); \
+        "{NOW}; usleep 300000; t0=$(now); r=$(fork '{{\"count\": {n}}}'); t1=$(now); \
          echo $t0 > /work/t0; echo $t1 > /work/t1"
     ));
-    sys.apply(&with_self_fork(sys, name, &script, "{maxBranches: 4}"));
+    sys.apply(&with_self_fork(
+        sys,
+        name,
+        &script,
+        &format!("{{maxBranches: {n}}}"),
+    ));
     running(sys, name).await;
     let bs = self_fork_name(name, 1);
     let t0 = stamp(
@@ -516,7 +576,7 @@ async fn self_fork_once(sys: &System, name: &str) -> f64 {
         "/work/t0",
     )
     .await;
-    let last = last_stamp(sys, &bs, "/work/t1").await;
+    let last = last_stamp(sys, &bs, "/work/t1", n).await;
     // Undecided until read (a decided set removes its branches); the set goes with
     // its Sandbox.
     let _ = sys.sandboxes().delete(name, &Default::default()).await;
@@ -544,7 +604,7 @@ async fn outside_fork_once(sys: &System, name: &str) -> f64 {
     sys.apply(&format!(
         "apiVersion: ramify.dev/v1alpha1\nkind: BranchSet\nmetadata: {{name: {set}}}\nspec:\n  source: {{sandbox: {name}}}\n  policy: Manual\n  branches:\n{branches}"
     ));
-    let last = last_stamp(sys, &set, "/work/t1").await;
+    let last = last_stamp(sys, &set, "/work/t1", 4).await;
     let _ = sys.branchsets().delete(&set, &Default::default()).await;
     sys.wait_branches_gone(&set, 120).await;
     let _ = sys.sandboxes().delete(name, &Default::default()).await;

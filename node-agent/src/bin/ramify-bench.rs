@@ -33,6 +33,10 @@
 //! `--scenarios network`: a sandbox's network placed and released in-process, next to
 //! the `ip` and CNI plugin processes that made it before (`--net-runs`).
 //!
+//! `--scenarios plain-fork`: the baseline of a fork, by hand with plain runsc: one
+//! checkpoint of a running sandbox and N restores of it in parallel (`--forks`,
+//! `--plain-runs`); the self-fork bench runs it beside its own figures.
+//!
 //! Needs root, runsc, busybox-static, containernetworking-plugins, iptables.
 
 use std::path::{Path, PathBuf};
@@ -64,7 +68,8 @@ struct Args {
     #[arg(long, default_value = "auto")]
     platform: String,
     /// Which scenarios run: `engine` (snapshot, fork, warm claims), `platforms`,
-    /// `suspend`, `images`, `store`, `throttle`, `lazy`, `python`, `portforward`, `network`.
+    /// `suspend`, `images`, `store`, `throttle`, `lazy`, `python`, `portforward`, `network`,
+    /// `plain-fork`.
     #[arg(long, value_delimiter = ',', default_value = "engine,platforms")]
     scenarios: Vec<String>,
     /// Platforms the platform scenario compares (each must work with --runsc).
@@ -120,6 +125,9 @@ struct Args {
     /// Requests each way in the `portforward` scenario.
     #[arg(long, default_value_t = 30)]
     pf_requests: usize,
+    /// Runs of each fork size in the `plain-fork` scenario.
+    #[arg(long, default_value_t = 5)]
+    plain_runs: usize,
     /// Runs each way in the `network` scenario.
     #[arg(long, default_value_t = 10)]
     net_runs: usize,
@@ -131,6 +139,8 @@ mod images;
 mod lazy;
 #[path = "ramify-bench/network.rs"]
 mod network;
+#[path = "ramify-bench/plain_fork.rs"]
+mod plain_fork;
 #[path = "ramify-bench/platforms.rs"]
 mod platforms;
 #[path = "ramify-bench/port_forward.rs"]
@@ -438,6 +448,17 @@ async fn main() -> Result<()> {
             runs: args.net_runs,
         }
         .run()
+        .await;
+    }
+    if result.is_ok() && args.scenarios.iter().any(|s| s == "plain-fork") {
+        result = plain_fork::run(
+            &engine,
+            &placement,
+            &rootfs,
+            &dir,
+            &args.forks,
+            args.plain_runs,
+        )
         .await;
     }
     if result.is_ok() && args.scenarios.iter().any(|s| s == "store") {
