@@ -268,7 +268,8 @@ pub struct EgressRule {
     #[x_kube(validation = Rule::new("isCIDR(self)").message("spec.network.allow[].cidr must be a CIDR such as 10.0.0.0/8"))]
     #[schemars(length(min = 1, max = 64))]
     pub cidr: String,
-    /// TCP ports allowed; all ports when empty.
+    /// The only ports allowed to it, TCP and UDP alike (a name server is asked over
+    /// both); every port when empty.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
     pub ports: Vec<Port>,

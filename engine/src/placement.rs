@@ -5,6 +5,7 @@
 //! cluster mode (the node agent's `cluster_placement`) hands back a Pod's netns and a
 //! cgroup below the Pod's, built from the pieces this module exports.
 
+mod allowed;
 pub mod egress;
 mod ipam;
 mod netlink;
@@ -21,6 +22,7 @@ use tracing::{instrument, warn};
 
 use crate::cmd::Cmd;
 use crate::error::{Error, Result};
+pub use allowed::Allowed;
 use egress::HostGuard;
 
 /// An IPv4 network in CIDR form (a bare address means /32).
@@ -62,7 +64,7 @@ impl std::fmt::Display for Cidr {
 pub struct PlacementRequest {
     pub id: String,
     /// Egress allowlist; empty means deny all egress.
-    pub egress_allow: Vec<Cidr>,
+    pub egress_allow: Vec<Allowed>,
     /// Cluster mode: the UID of the Pod the sandbox runs in (`None` in standalone mode,
     /// and for a warm pool's branches, which have no Pod).
     pub pod_uid: Option<String>,

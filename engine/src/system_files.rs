@@ -11,7 +11,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
-use crate::placement::Cidr;
+use crate::placement::Allowed;
 
 /// The subdirectory of the control directory holding the files.
 pub const DIR: &str = "etc";
@@ -44,7 +44,7 @@ pub fn hosts(hostname: &str, address: Option<Ipv4Addr>) -> String {
 /// the node's search domains. With none, no `nameserver` line: resolvers then ask
 /// 127.0.0.1 inside the sandbox, where (unless the workload serves DNS itself) nothing
 /// listens, and a lookup fails at once rather than waiting for a server it cannot reach.
-pub fn resolv_conf(node_resolv: &str, egress_allow: &[Cidr]) -> String {
+pub fn resolv_conf(node_resolv: &str, egress_allow: &[Allowed]) -> String {
     let mut servers = Vec::new();
     let mut search = None;
     for line in node_resolv.lines() {
@@ -53,7 +53,7 @@ pub fn resolv_conf(node_resolv: &str, egress_allow: &[Cidr]) -> String {
             Some("nameserver") => {
                 if let Some(Ok(IpAddr::V4(ip))) = words.next().map(str::parse::<IpAddr>)
                     && !ip.is_loopback()
-                    && egress_allow.iter().any(|c| cidr_contains(c, ip))
+                    && egress_allow.iter().any(|a| a.allows(ip, DNS_PORT))
                 {
                     servers.push(ip);
                 }
@@ -76,14 +76,8 @@ pub fn resolv_conf(node_resolv: &str, egress_allow: &[Cidr]) -> String {
     out
 }
 
-fn cidr_contains(c: &Cidr, ip: Ipv4Addr) -> bool {
-    let mask = if c.prefix == 0 {
-        0
-    } else {
-        u32::MAX << (32 - u32::from(c.prefix))
-    };
-    u32::from(c.addr) & mask == u32::from(ip) & mask
-}
+/// Where a name server answers.
+const DNS_PORT: u16 = 53;
 
 /// The names of [`FILES`] that `rootfs` has a mount point for: a regular file at that
 /// path (runsc does not create a mount point in a read-only root, and a symlink there,
@@ -106,7 +100,7 @@ pub fn write(
     control_dir: &Path,
     hostname: &str,
     address: Option<Ipv4Addr>,
-    egress_allow: &[Cidr],
+    egress_allow: &[Allowed],
 ) -> std::io::Result<()> {
     use std::os::unix::fs::MetadataExt as _;
     let dir = control_dir.join(DIR);
@@ -155,5 +149,10 @@ mod tests {
             "{all}"
         );
         assert!(!all.contains("127.0.0.53"));
+        // Allowed to 10/8 on port 443 only: its server cannot be asked.
+        let https = resolv_conf(node, &["10.0.0.0/8:443".parse().unwrap()]);
+        assert!(!https.contains("nameserver"), "{https}");
+        let dns = resolv_conf(node, &["10.0.0.0/8:53,443".parse().unwrap()]);
+        assert!(dns.contains("nameserver 10.0.0.2\n"), "{dns}");
     }
 }

@@ -115,15 +115,15 @@ async fn a_placement_is_a_namespace_on_the_bridge_and_its_release_leaves_nothing
 }
 
 /// Egress rules whose sandbox is gone (a teardown that failed for good) are found by
-/// the sweep and removed with their chain; a held sandbox's, and rules of another
-/// network on the host, stay.
+/// the sweep and removed with their chain; a held sandbox's stay, and so does a rule of
+/// another network on the host even when tagged with the same id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweep_removes_the_rules_of_a_sandbox_that_is_gone_and_only_those() {
     let p = standalone();
     let (gone, live) = (id(), id());
     let (pg, pl) = tokio::join!(place(&p, &gone), place(&p, &live));
-    // Another agent's rule on the same host (another bridge), with nothing held.
-    let other = format!("ramify:{}", id());
+    // Another agent's network on the same host (another bridge), same tag.
+    let tag = format!("ramify:{gone}");
     let foreign = [
         "INPUT",
         "-i",
@@ -131,7 +131,7 @@ async fn the_sweep_removes_the_rules_of_a_sandbox_that_is_gone_and_only_those() 
         "-m",
         "comment",
         "--comment",
-        &other,
+        &tag,
         "-j",
         "DROP",
     ];
@@ -145,15 +145,19 @@ async fn the_sweep_removes_the_rules_of_a_sandbox_that_is_gone_and_only_those() 
     };
     ipt("-A", &foreign);
     let chain = pg.chain.clone().unwrap();
-    assert_eq!(iptables_lines_mentioning(&[&gone]).len(), 2);
+    assert_eq!(iptables_lines_mentioning(&[&gone]).len(), 3);
 
-    let held = |id: &str| id == live;
+    // Every sandbox but `gone` is held (the other tests of this binary place theirs on
+    // the same bridge meanwhile).
+    let held = |id: &str| id != gone;
     let removed = p.sweep_stale(&held).await.unwrap();
-    assert!(
-        iptables_lines_mentioning(&[&gone]).is_empty(),
-        "left: {:?}",
-        iptables_lines_mentioning(&[&gone])
+    let left = iptables_lines_mentioning(&[&gone]);
+    assert_eq!(
+        left.len(),
+        1,
+        "only the other network's rule is left: {left:?}"
     );
+    assert!(left[0].contains("-i rmyother9 "), "{left:?}");
     assert!(
         !iptables_lines_mentioning(&[&chain])
             .iter()
@@ -165,11 +169,6 @@ async fn the_sweep_removes_the_rules_of_a_sandbox_that_is_gone_and_only_those() 
         iptables_lines_mentioning(&[&live]).len(),
         2,
         "the live one's rules"
-    );
-    assert_eq!(
-        iptables_lines_mentioning(&[&other]).len(),
-        1,
-        "another network's rule"
     );
     // Once more: nothing left to do.
     assert!(p.sweep_stale(&held).await.unwrap().is_empty());
@@ -269,4 +268,131 @@ async fn sandboxes_on_the_bridge_cannot_reach_each_other_even_with_egress_to_eve
     h.destroy_clean(a).await;
     h.destroy_clean(b).await;
     h.finish().await;
+}
+
+/// A server off the node's bridge: two HTTP servers (ports 8080 and 8081) in a
+/// namespace of their own behind a veth pair, routed through the host as any
+/// destination past the node is. Removed on drop.
+struct Destination {
+    netns: String,
+    servers: Vec<std::process::Child>,
+    dir: std::path::PathBuf,
+}
+
+const DEST_IP: &str = "10.242.0.2";
+
+impl Destination {
+    fn start() -> Destination {
+        let netns = format!("rmyports{}", std::process::id());
+        let host_if = format!("rmyp{}", std::process::id() % 100_000);
+        let dir = std::env::temp_dir().join(format!("{netns}-www"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("index.html"), "destination\n").unwrap();
+        ip(&["netns", "add", &netns]);
+        ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &netns,
+        ]);
+        ip(&["addr", "add", "10.242.0.1/24", "dev", &host_if]);
+        ip(&["link", "set", &host_if, "up"]);
+        ip(&[
+            "-n",
+            &netns,
+            "addr",
+            "add",
+            &format!("{DEST_IP}/24"),
+            "dev",
+            "eth0",
+        ]);
+        ip(&["-n", &netns, "link", "set", "eth0", "up"]);
+        ip(&["-n", &netns, "link", "set", "lo", "up"]);
+        ip(&["-n", &netns, "route", "add", "default", "via", "10.242.0.1"]);
+        let servers = ["8080", "8081"]
+            .iter()
+            .map(|port| {
+                std::process::Command::new("ip")
+                    .args([
+                        "netns", "exec", &netns, "busybox", "httpd", "-f", "-p", port, "-h",
+                    ])
+                    .arg(&dir)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        Destination {
+            netns,
+            servers,
+            dir,
+        }
+    }
+}
+
+impl Drop for Destination {
+    fn drop(&mut self) {
+        for s in &mut self.servers {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+        // The veth pair goes with the namespace.
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "delete", &self.netns])
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `spec.network.allow[].ports`: a destination allowed on one port is reached on that
+/// port and on no other; allowed without ports, on both. On real runsc.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowed_destination_is_reached_only_on_its_ports() {
+    let dest = Destination::start();
+    let h = harness("egress-ports").await;
+    let get = |port: u16| {
+        format!("printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {DEST_IP} {port}")
+    };
+    let mut started = Vec::new();
+    for (name, allow) in [("one-port", ":8080"), ("every-port", "")] {
+        let allow = format!("{DEST_IP}/32{allow}").parse().unwrap();
+        started.push(
+            h.start(name, "while true; do sleep 1; done", vec![allow])
+                .await,
+        );
+    }
+    let (every_port, one_port) = (started.pop().unwrap(), started.pop().unwrap());
+    // Reached on its port (on a retry: the servers may still be starting).
+    for sb in [&one_port, &every_port] {
+        eventually(Duration::from_secs(20), "the allowed port answers", || {
+            let cmd = get(8080);
+            let engine = &h.engine;
+            async move {
+                let out = engine.exec(sb, &["/bin/sh", "-c", &cmd]).await.ok()?;
+                out.stdout_str().contains("destination").then_some(())
+            }
+        })
+        .await;
+    }
+    // The other port: reached without a port list, never with one.
+    eventually(Duration::from_secs(20), "every port answers", || {
+        let cmd = get(8081);
+        let engine = &h.engine;
+        let sb = &every_port;
+        async move {
+            let out = engine.exec(sb, &["/bin/sh", "-c", &cmd]).await.ok()?;
+            out.stdout_str().contains("destination").then_some(())
+        }
+    })
+    .await;
+    let out = h
+        .engine
+        .exec(&one_port, &["/bin/sh", "-c", &get(8081)])
+        .await
+        .unwrap();
+    assert!(
+        !out.stdout_str().contains("destination"),
+        "port 8081 reached though only 8080 is allowed: {}",
+        out.stdout_str()
+    );
+    h.destroy_clean(one_port).await;
+    h.destroy_clean(every_port).await;
+    h.finish().await;
+    drop(dest);
 }

@@ -9,7 +9,7 @@ use super::{Engine, LocalSandbox};
 use crate::control;
 use crate::diff;
 use crate::error::{Error, Result};
-use crate::placement::Cidr;
+use crate::placement::Allowed;
 use crate::store::SnapshotMeta;
 
 /// Options for forking.
@@ -42,7 +42,7 @@ impl Engine {
         on: RestoreOn<'_>,
     ) -> Result<LocalSandbox> {
         let RestoreOn { pod_uid, rootfs } = on;
-        let egress: Vec<Cidr> = meta
+        let egress: Vec<Allowed> = meta
             .egress_allow
             .iter()
             .map(|c| c.parse())

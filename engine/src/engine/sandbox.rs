@@ -11,7 +11,7 @@ use super::identity::branch_hostname;
 use crate::control::{self, Identity};
 use crate::diff::Manifest;
 use crate::error::{Error, Result};
-use crate::placement::{Cidr, Placed, PlacementRequest};
+use crate::placement::{Allowed, Placed, PlacementRequest};
 use crate::procfs::proc_start_time;
 use crate::rootfs::RootfsSource;
 use crate::roots::PinnedDir;
@@ -24,7 +24,7 @@ pub struct StartRequest {
     pub name: String,
     pub rootfs: RootfsSource,
     pub workload: WorkloadSpec,
-    pub egress_allow: Vec<Cidr>,
+    pub egress_allow: Vec<Allowed>,
 }
 
 /// A live sandbox owned by the caller. Dropping it does not stop it: call
@@ -37,7 +37,7 @@ pub struct LocalSandbox {
     pub dir: PathBuf,
     pub rootfs: PathBuf,
     pub workload: WorkloadSpec,
-    pub egress_allow: Vec<Cidr>,
+    pub egress_allow: Vec<Allowed>,
     pub placed: Placed,
     pub identity: Identity,
     pub restored_from: Option<String>,
@@ -54,7 +54,7 @@ pub struct LocalSandbox {
 
 /// How a new sandbox is placed: its egress allowlist and (cluster mode) its Pod.
 pub(super) struct Net<'a> {
-    pub egress_allow: Vec<Cidr>,
+    pub egress_allow: Vec<Allowed>,
     pub pod_uid: Option<&'a str>,
 }
 

@@ -9,7 +9,7 @@
 
 use std::net::Ipv4Addr;
 
-use super::{Cidr, Placed, chain_name, delete_listed_rule};
+use super::{Allowed, Cidr, Placed, chain_name, delete_listed_rule};
 use crate::cmd::Cmd;
 use crate::error::Result;
 
@@ -87,7 +87,7 @@ pub(crate) fn rules(
 pub(crate) fn install_lines(
     id: &str,
     ip: Ipv4Addr,
-    allow: &[Cidr],
+    allow: &[Allowed],
     guard: &HostGuard,
 ) -> (String, Vec<String>) {
     let chain = chain_name(id);
@@ -95,14 +95,37 @@ pub(crate) fn install_lines(
         format!(":{chain} - [0:0]"),
         format!("-A {chain} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"),
     ];
-    for c in allow {
-        batch.push(format!("-A {chain} -d {c} -j ACCEPT"));
+    for a in allow {
+        batch.extend(accept_lines(&chain, a));
     }
     batch.push(format!("-A {chain} -j DROP"));
     for (hook, rule) in rules(id, ip, &chain, guard) {
         batch.push(format!("-I {hook} 1 {}", rule.join(" ")));
     }
     (chain, batch)
+}
+
+/// Ports one `multiport` match takes at most.
+const MULTIPORT_MAX: usize = 15;
+
+/// The ACCEPT lines of one allowlist entry in `chain`: its network, every port, or
+/// only its ports, TCP and UDP alike (a DNS server is asked over both).
+fn accept_lines(chain: &str, a: &Allowed) -> Vec<String> {
+    let net = a.net;
+    if a.ports.is_empty() {
+        return vec![format!("-A {chain} -d {net} -j ACCEPT")];
+    }
+    let mut out = Vec::new();
+    for proto in ["tcp", "udp"] {
+        for ports in a.ports.chunks(MULTIPORT_MAX) {
+            let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+            out.push(format!(
+                "-A {chain} -d {net} -p {proto} -m multiport --dports {} -j ACCEPT",
+                ports.join(",")
+            ));
+        }
+    }
+    out
 }
 
 /// The lines that remove what [`install_lines`] made.
@@ -117,7 +140,12 @@ pub(crate) fn remove_lines(id: &str, ip: Ipv4Addr, chain: &str, guard: &HostGuar
 }
 
 /// Installs the sandbox's egress policy; returns its chain.
-pub async fn install(id: &str, ip: Ipv4Addr, allow: &[Cidr], guard: &HostGuard) -> Result<String> {
+pub async fn install(
+    id: &str,
+    ip: Ipv4Addr,
+    allow: &[Allowed],
+    guard: &HostGuard,
+) -> Result<String> {
     let (chain, batch) = install_lines(id, ip, allow, guard);
     ipt_batch(&batch).run().await?;
     Ok(chain)
@@ -242,10 +270,10 @@ mod tests {
         let (chain, lines) = install_lines(
             "ramify-node-abc",
             IP,
-            &[Cidr {
+            &[Allowed::from(Cidr {
                 addr: Ipv4Addr::new(10, 0, 0, 0),
                 prefix: 8,
-            }],
+            })],
             &HostGuard::Source,
         );
         assert_eq!(chain, chain_name("ramify-node-abc"));
@@ -261,6 +289,38 @@ mod tests {
             ]
         );
         assert!(!lines.iter().any(|l| l.contains(" -i ")));
+    }
+
+    #[test]
+    fn ports_narrow_an_entry_to_those_ports_tcp_and_udp_fifteen_to_a_rule() {
+        let ports: Vec<u16> = (1..=16).collect();
+        let a = Allowed {
+            net: Cidr {
+                addr: Ipv4Addr::new(192, 0, 2, 7),
+                prefix: 32,
+            },
+            ports,
+        };
+        let accepts = accept_lines("C", &a);
+        let first: Vec<String> = (1..=15).map(|p| p.to_string()).collect();
+        assert_eq!(
+            accepts,
+            [
+                format!(
+                    "-A C -d 192.0.2.7/32 -p tcp -m multiport --dports {} -j ACCEPT",
+                    first.join(",")
+                ),
+                "-A C -d 192.0.2.7/32 -p tcp -m multiport --dports 16 -j ACCEPT".to_string(),
+                format!(
+                    "-A C -d 192.0.2.7/32 -p udp -m multiport --dports {} -j ACCEPT",
+                    first.join(",")
+                ),
+                "-A C -d 192.0.2.7/32 -p udp -m multiport --dports 16 -j ACCEPT".to_string(),
+            ]
+        );
+        // Without ports: the whole network, as before.
+        let all = Allowed::from(a.net);
+        assert_eq!(accept_lines("C", &all), ["-A C -d 192.0.2.7/32 -j ACCEPT"]);
     }
 
     #[test]

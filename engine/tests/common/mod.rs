@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ramify_engine::engine::{Engine, EngineConfig, LocalSandbox, StartRequest};
-use ramify_engine::placement::{Cidr, Standalone, StandaloneConfig};
+use ramify_engine::placement::{Allowed, Standalone, StandaloneConfig};
 use ramify_engine::rootfs::RootfsSource;
 use ramify_engine::roots::RootfsConfig;
 use ramify_engine::runsc::RunscConfig;
@@ -283,7 +283,7 @@ impl Harness {
         }
     }
 
-    pub async fn start(&self, name: &str, script: &str, egress: Vec<Cidr>) -> LocalSandbox {
+    pub async fn start(&self, name: &str, script: &str, egress: Vec<Allowed>) -> LocalSandbox {
         self.start_from(name, &self.rootfs.clone(), script, egress)
             .await
     }
@@ -294,7 +294,7 @@ impl Harness {
         name: &str,
         rootfs: &Path,
         script: &str,
-        egress: Vec<Cidr>,
+        egress: Vec<Allowed>,
     ) -> LocalSandbox {
         self.engine
             .start(StartRequest {

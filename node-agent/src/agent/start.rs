@@ -19,7 +19,7 @@ use super::registry::SandboxRecord;
 use super::{Agent, millis, now, rootfs_class, short_version};
 use crate::error::{EngineError, Error, Result};
 use ramify_engine::engine::{LocalSandbox, StartRequest};
-use ramify_engine::placement::Cidr;
+use ramify_engine::placement::{Allowed, Cidr};
 use ramify_engine::rootfs::RootfsSource;
 use ramify_engine::spec::{Resources, WorkloadSpec};
 
@@ -58,8 +58,9 @@ pub fn workload_of(sbx: &SandboxObj) -> WorkloadSpec {
     }
 }
 
-/// Egress allowlist of a Sandbox object (empty: deny everything).
-pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Cidr>> {
+/// Egress allowlist of a Sandbox object (empty: deny everything): each destination
+/// with its ports.
+pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Allowed>> {
     match sbx.spec.network.egress {
         ramify_crds::Egress::Deny => Ok(Vec::new()),
         ramify_crds::Egress::Allow => sbx
@@ -67,7 +68,20 @@ pub fn egress_of(sbx: &SandboxObj) -> Result<Vec<Cidr>> {
             .network
             .allow
             .iter()
-            .map(|r| r.cidr.parse().map_err(Error::from))
+            .map(|r| {
+                let mut a = Allowed::from(r.cidr.parse::<Cidr>().map_err(Error::from)?);
+                for p in &r.ports {
+                    // 1-65535 in the schema; anything else is refused, never widened.
+                    let port = u16::try_from(p.0).ok().filter(|p| *p > 0).ok_or_else(|| {
+                        Error::Engine(EngineError::Invalid(format!(
+                            "spec.network.allow[].ports: {} is not a port",
+                            p.0
+                        )))
+                    })?;
+                    a.ports.push(port);
+                }
+                Ok(a)
+            })
             .collect(),
     }
 }
@@ -484,5 +498,41 @@ impl Agent {
             Some(bs) if bs.spec.commit.mode == CommitMode::Paths => bs.spec.commit.paths.clone(),
             _ => Vec::new(),
         })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn with_network(network: serde_json::Value) -> SandboxObj {
+        let spec = serde_json::from_value(json!({"command": ["sh"], "network": network}));
+        SandboxObj::new("ws", spec.unwrap())
+    }
+
+    #[test]
+    fn the_allowlist_keeps_each_destinations_ports() {
+        let sbx = with_network(json!({"egress": "Allow", "allow": [
+            {"cidr": "10.0.0.0/8", "ports": [443, 8443]},
+            {"cidr": "192.0.2.7/32"},
+        ]}));
+        let allow: Vec<String> = egress_of(&sbx)
+            .unwrap()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(allow, ["10.0.0.0/8:443,8443", "192.0.2.7/32"]);
+        assert!(
+            egress_of(&with_network(json!({"egress": "Deny"})))
+                .unwrap()
+                .is_empty()
+        );
+        // What the schema refuses is refused here too, never widened to every port.
+        let bad = with_network(
+            json!({"egress": "Allow", "allow": [{"cidr": "10.0.0.0/8", "ports": [0]}]}),
+        );
+        assert!(egress_of(&bad).is_err());
     }
 }
