@@ -364,16 +364,21 @@ impl Placement for Standalone {
                 if let Some(chain) = rule.chain
                     && listing.lines().any(|l| l == format!("-N {chain}"))
                 {
+                    let mut gone = true;
                     for op in ["-F", "-X"] {
-                        first.note(
-                            egress::ipt()
-                                .args([op, chain.as_str()])
-                                .run()
-                                .await
-                                .map(|_| ()),
-                        );
+                        match egress::ipt().args([op, chain.as_str()]).run().await {
+                            Ok(_) => {}
+                            // Removed meanwhile by a teardown's retry: what was wanted.
+                            Err(_) if !still_listed(&format!("-N {chain}")).await => {}
+                            Err(e) => {
+                                gone = false;
+                                first.note(Err(e));
+                            }
+                        }
                     }
-                    removed.push(format!("iptables chain {chain}"));
+                    if gone {
+                        removed.push(format!("iptables chain {chain}"));
+                    }
                 }
             }
             first.result().map(|()| removed)
