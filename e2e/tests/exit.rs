@@ -120,7 +120,8 @@ async fn a_sandbox_that_dies_says_why_in_status_and_an_event() {
 }
 
 /// A sandbox restored lazily from a snapshot whose pages file is then cut short on the
-/// node (by someone with root there): the agent stops it at its next look, with
+/// node (by someone with root there): the agent stops it at its next look (or gVisor
+/// at its first read past the cut), with
 /// `SnapshotPagesLost` in `status.exit`, on `Ready` and in a Warning Event, while its
 /// source runs on.
 #[tokio::test]
@@ -171,13 +172,21 @@ async fn a_branch_whose_pages_file_is_cut_short_says_so() {
         .set_len(len / 2)
         .unwrap();
 
-    // The agent looks at a running sandbox every 10 s.
+    // The agent looks at a running sandbox every 10 s; gVisor may meet the cut first,
+    // when the branch (or its background load) reads a page past it. Either says so.
     let s = ended(&sys, "branch", 60).await;
     let st = s.status.unwrap();
     let exit = st.exit.clone().unwrap();
     assert_eq!(st.phase, SandboxPhase::Failed);
     assert_eq!(exit.reason, ExitReason::SnapshotPagesLost, "{exit:?}");
-    assert!(exit.message.contains("changed size"), "{}", exit.message);
+    assert!(
+        exit.message.contains("changed size")
+            || exit
+                .message
+                .contains("could not read a page from the snapshot's pages file"),
+        "{}",
+        exit.message
+    );
     assert_eq!(
         st.conditions.get_condition("Ready").unwrap().reason,
         "SnapshotPagesLost"
