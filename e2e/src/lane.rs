@@ -9,6 +9,10 @@ use std::path::PathBuf;
 
 use crate::repo_root;
 
+/// Most extra nodes a system starts (bridges `rmye2en1`.., subnets 10.71/16.. in lane 0;
+/// see [`crate::lane`]).
+pub const MAX_EXTRA_NODES: usize = 8;
+
 /// The most lanes (subnets 10.110/16 .. 10.198/16 for lanes 1..9).
 const MAX_LANE: u8 = 9;
 

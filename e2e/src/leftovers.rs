@@ -272,3 +272,83 @@ pub fn node_leftovers_except(state_dir: &Path, keep: &str) -> Vec<String> {
 }
 
 // Two workers: the probe's timings never wait behind the test's own work.
+
+/// What an agent's log says of the sandbox a leftover rule is tagged with (the lines
+/// naming it, last few), so that a CI summary, which keeps only the first lines of a
+/// failure, says where the rule came from.
+pub(crate) fn what_the_log_says(rule: &str, log: &str) -> String {
+    let Some(id) = rule
+        .split("ramify:")
+        .nth(1)
+        .and_then(|t| t.split(|c: char| c == '"' || c.is_whitespace()).next())
+        .filter(|id| !id.is_empty())
+    else {
+        return String::new();
+    };
+    let lines: Vec<String> = log
+        .lines()
+        .filter(|l| l.contains(id))
+        .map(|l| strip_ansi(l).chars().take(240).collect())
+        .collect();
+    let last = &lines[lines.len().saturating_sub(4)..];
+    format!(" (its agent's log on {id}: {})", last.join(" / "))
+}
+
+pub(crate) fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Removes what earlier runs of this test binary left (a failed run cannot tear down).
+pub fn clean_earlier_runs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let base = crate::lane::base_dir();
+        let Ok(rd) = std::fs::read_dir(&base) else {
+            return;
+        };
+        for e in rd.flatten() {
+            // The system's agent (`agent`) and its extra nodes' (`agent-n1`, ...).
+            let agents: Vec<PathBuf> = std::fs::read_dir(e.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|a| a.path())
+                .filter(|a| {
+                    a.is_dir()
+                        && a.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("agent"))
+                })
+                .collect();
+            for agent in &agents {
+                let _ = Command::new(crate::binary("ramify-node-agent").unwrap())
+                    .args(["cleanup", "--state-dir"])
+                    .arg(agent)
+                    .output();
+            }
+            if !agents.is_empty() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        remove_cgroup_parents(&format!("{}*", crate::lane::cgroup_prefix()));
+        // An extra node's bridge outlives an agent that was SIGKILLed (a failed run).
+        for k in 1..=crate::lane::MAX_EXTRA_NODES {
+            let bridge = crate::lane::extra_bridge(k);
+            if Path::new("/sys/class/net").join(&bridge).exists() {
+                let _ = Command::new("ip").args(["link", "del", &bridge]).output();
+            }
+        }
+    });
+}

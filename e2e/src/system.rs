@@ -13,9 +13,12 @@ use kube::runtime::wait::await_condition;
 use ramify_crds::{BranchSet, LABEL_BRANCHSET, RootfsClass, Sandbox, SandboxPhase};
 
 use crate::leftovers::{
-    bridge_rules, cgroup_roots, remove_cgroup_parents, rules_matching, sweep_stale_rules,
+    bridge_rules, cgroup_roots, remove_cgroup_parents, rules_matching, strip_ansi,
+    sweep_stale_rules, what_the_log_says,
 };
-pub use crate::leftovers::{ip_leases, node_leftovers, node_leftovers_except, open_to_others};
+pub use crate::leftovers::{
+    clean_earlier_runs, ip_leases, node_leftovers, node_leftovers_except, open_to_others,
+};
 use crate::{Component, ControlPlane, TestNamespace, binary, install_crds, lane, repo_root};
 
 /// A running ramify: operator + one node agent, bound to one test namespace.
@@ -61,10 +64,6 @@ pub struct ExtraNode {
     pub cgroup_parent: String,
 }
 
-/// Most extra nodes a system starts (bridges `rmye2en1`.., subnets 10.71/16.. in lane 0;
-/// see [`crate::lane`]).
-const MAX_EXTRA_NODES: usize = 8;
-
 /// The pinned current runsc (built from the Go module proxy, cached).
 pub fn runsc() -> PathBuf {
     let out = Command::new(repo_root().join("hack/runsc/build.sh"))
@@ -76,48 +75,6 @@ pub fn runsc() -> PathBuf {
         String::from_utf8_lossy(&out.stderr)
     );
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
-
-/// Removes what earlier runs of this test binary left (a failed run cannot tear down).
-pub fn clean_earlier_runs() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let base = lane::base_dir();
-        let Ok(rd) = std::fs::read_dir(&base) else {
-            return;
-        };
-        for e in rd.flatten() {
-            // The system's agent (`agent`) and its extra nodes' (`agent-n1`, ...).
-            let agents: Vec<PathBuf> = std::fs::read_dir(e.path())
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|a| a.path())
-                .filter(|a| {
-                    a.is_dir()
-                        && a.file_name()
-                            .is_some_and(|n| n.to_string_lossy().starts_with("agent"))
-                })
-                .collect();
-            for agent in &agents {
-                let _ = Command::new(binary("ramify-node-agent").unwrap())
-                    .args(["cleanup", "--state-dir"])
-                    .arg(agent)
-                    .output();
-            }
-            if !agents.is_empty() {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-        remove_cgroup_parents(&format!("{}*", lane::cgroup_prefix()));
-        // An extra node's bridge outlives an agent that was SIGKILLed (a failed run).
-        for k in 1..=MAX_EXTRA_NODES {
-            let bridge = lane::extra_bridge(k);
-            if Path::new("/sys/class/net").join(&bridge).exists() {
-                let _ = Command::new("ip").args(["link", "del", &bridge]).output();
-            }
-        }
-    });
 }
 
 /// What the e2e agent keeps from sandboxes: the agent's own defaults, spelled out. On
@@ -312,8 +269,9 @@ impl System {
     pub fn add_node(&mut self) -> &ExtraNode {
         let k = self.nodes.len() + 1;
         assert!(
-            k <= MAX_EXTRA_NODES,
-            "at most {MAX_EXTRA_NODES} extra nodes"
+            k <= lane::MAX_EXTRA_NODES,
+            "at most {} extra nodes",
+            lane::MAX_EXTRA_NODES
         );
         let name = format!("{}-n{k}", self.node());
         let state_dir = self.log_dir.join(format!("agent-n{k}"));
@@ -854,44 +812,6 @@ spec:
         self.agent.kill().unwrap();
         remove_cgroup_parents(&format!("{}{}", lane::cgroup_prefix(), self.suffix));
     }
-}
-
-/// What an agent's log says of the sandbox a leftover rule is tagged with (the lines
-/// naming it, last few), so that a CI summary, which keeps only the first lines of a
-/// failure, says where the rule came from.
-fn what_the_log_says(rule: &str, log: &str) -> String {
-    let Some(id) = rule
-        .split("ramify:")
-        .nth(1)
-        .and_then(|t| t.split(|c: char| c == '"' || c.is_whitespace()).next())
-        .filter(|id| !id.is_empty())
-    else {
-        return String::new();
-    };
-    let lines: Vec<String> = log
-        .lines()
-        .filter(|l| l.contains(id))
-        .map(|l| strip_ansi(l).chars().take(240).collect())
-        .collect();
-    let last = &lines[lines.len().saturating_sub(4)..];
-    format!(" (its agent's log on {id}: {})", last.join(" / "))
-}
-
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// Builds the busybox root filesystem at `out` (`ramify-node-agent rootfs`), as an
